@@ -1,0 +1,73 @@
+"""What a backend plugin provides. Core never names a backend; plugins subclass Backend."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UserError
+from .kernels import ReferenceKernels
+from .precision import PRECISIONS, Precision
+from .profile import Profile
+
+
+@dataclass
+class Probe:
+    available: bool
+    score: float  # higher wins `--backend auto`; 0 when unavailable
+    reason: str  # one human sentence: why (un)available
+    facts: dict = field(default_factory=dict)  # device name, memory, capability...
+
+
+class Backend:
+    """Base class: the CPU-style defaults; accelerator backends override what differs."""
+
+    name: str = ""
+    precisions: tuple[str, ...] = ()
+    default_precision: str = "fp32"
+    # Optimizations this backend implements; asking for an undeclared one is refused.
+    features: dict[str, bool] = {}
+
+    def probe(self) -> Probe:
+        raise NotImplementedError
+
+    def profiles(self) -> dict[str, Profile]:
+        base = Profile(name="basic")
+        return {"basic": base}
+
+    @property
+    def default_profile(self) -> str:
+        return next(iter(self.profiles()))
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def kernels(self, precision: Precision) -> ReferenceKernels:
+        return ReferenceKernels()
+
+    def activation_dtype(self, precision: Precision) -> torch.dtype:
+        return precision.activation_dtype
+
+    def free_memory_bytes(self) -> int:
+        """Memory the KV cache may draw from, measured after the weights are loaded."""
+        raise NotImplementedError
+
+    def runner_class(self, profile: Profile):
+        from .engine.runner import ModelRunner
+
+        return ModelRunner
+
+    def check_request(self, precision: str, profile: Profile) -> Precision:
+        """Refuse what this backend does not declare, with the reason and the alternatives."""
+        if precision not in PRECISIONS:
+            raise UserError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
+        if precision not in self.precisions:
+            raise UserError(
+                f"backend '{self.name}' does not support precision '{precision}'"
+                f" (supported: {', '.join(self.precisions)})"
+            )
+        for feature, wanted in (("cuda_graphs", profile.cuda_graphs), ("chunked_prefill", profile.chunked_prefill)):
+            if wanted and not self.features.get(feature):
+                raise UserError(f"backend '{self.name}' does not implement {feature}; use --profile basic")
+        if profile.spec != "none" and not self.features.get("spec_decode"):
+            raise UserError(f"backend '{self.name}' does not implement speculative decoding; use --spec none")
+        return PRECISIONS[precision]

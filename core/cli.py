@@ -1,0 +1,198 @@
+"""`flashnext` command line (flags and JSON shapes: shared/DESIGN.md)."""
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import FlashnextError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run LLMs fast on whatever accelerator is here.")
+stderr = Console(stderr=True)
+state = {"debug": False}
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False):
+    state["debug"] = debug
+
+
+def friendly_errors(command):
+    """One line on stderr and the contract's exit code instead of a traceback (unless --debug)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FlashnextError as exc:
+            _fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except typer.Exit:
+            raise
+        except Exception as exc:  # a bug of ours: still one line, the detail behind --debug
+            _fail(f"internal error: {exc!r} (rerun with --debug for the traceback)", 1)
+
+    return wrapper
+
+
+def _fail(message: str, code: int):
+    if state["debug"]:
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+@app.command()
+@friendly_errors
+def backends(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Also print each probe's facts.")] = False,
+):
+    """List installed backends, whether each is usable here, and why."""
+    from . import registry
+
+    entries = registry.discover()
+    if as_json:
+        print(json.dumps([e.as_json() for e in entries], indent=2))
+        return
+    table = Table("backend", "available", "score", "precisions", "origin", "reason")
+    for e in entries:
+        table.add_row(e.name, "yes" if e.probe.available else "no", f"{e.probe.score:g}",
+                      ",".join(e.backend.precisions) if e.backend else "", e.origin, e.probe.reason)
+    Console().print(table)
+    if explain:
+        for e in entries:
+            print(f"{e.name}: {json.dumps(e.probe.facts)}")
+            if state["debug"] and e.error_detail:
+                print(e.error_detail, file=sys.stderr)
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if prompt is None:
+        from .errors import UserError
+
+        raise UserError("no prompt: pass it as an argument or on stdin")
+    return prompt
+
+
+def _explain(entries, chosen: str):
+    for e in entries:
+        verdict = "chosen" if e.name == chosen else ("available" if e.probe.available else "unavailable")
+        print(f"[{verdict}] {e.name} (score {e.probe.score:g}, {e.origin}): {e.probe.reason}", file=sys.stderr)
+
+
+@app.command()
+@friendly_errors
+def run(
+    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text; read from stdin when omitted.")] = None,
+    backend: Annotated[str, typer.Option(envvar="FLASHNEXT_BACKEND", help="auto or a backend name.")] = "auto",
+    model: Annotated[Optional[str], typer.Option(envvar="FLASHNEXT_MODEL", help="Folder, .gguf file or HF id.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0)] = 0,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    precision: Annotated[Optional[str], typer.Option(help="fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int4.")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Backend profile, e.g. full or basic.")] = None,
+    spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: none, ngram, mtp.")] = None,
+    spec_tokens: Annotated[Optional[int], typer.Option(min=1)] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(help="auto, fp8-e5m2, ...")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Print every backend probe's verdict.")] = False,
+):
+    """Generate a completion for PROMPT."""
+    from .engine.sequence import SamplingParams
+    from .llm import LLM
+
+    text = _read_prompt(prompt)
+    params = _sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    with stderr.status("loading model…", spinner="dots") if not as_json and sys.stderr.isatty() else _nothing():
+        llm = LLM(model=model, backend=backend, precision=precision, profile=profile, spec=spec,
+                  spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+    if explain:
+        _explain(llm.info.entries, llm.info.backend)
+    ids = llm.encode(text, chat=chat)
+    start = time.perf_counter()
+    first_token_at, pieces = None, []
+    for piece, new_ids in llm.stream(ids, params):
+        if new_ids and first_token_at is None:
+            first_token_at = time.perf_counter()
+        pieces.append(piece)
+        if not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    seq = llm.last
+    report = _report(llm, seq, "".join(pieces), start, first_token_at or time.perf_counter())
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        sys.stdout.write("\n")
+        t = report["timing"]
+        print(f"[{report['backend']} · {report['precision']} · {report['profile']['name']}] "
+              f"{report['completion_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.0f} ms, "
+              f"{t['decode_tok_s']:.1f} tok/s, load {t['load_s']:.1f} s", file=sys.stderr)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _sampling(**fields):
+    from pydantic import ValidationError
+
+    from .engine.sequence import SamplingParams
+    from .errors import UserError
+
+    try:
+        return SamplingParams(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise UserError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
+
+
+def _report(llm, seq, text: str, start: float, first_token_at: float) -> dict:
+    end = time.perf_counter()
+    decode_tokens = max(len(seq.output_ids) - 1, 0)
+    spec = llm.engine.spec_stats() if hasattr(llm.engine, "spec_stats") else {"drafted": 0, "accepted": 0}
+    return {
+        "text": text,
+        "token_ids": seq.output_ids,
+        "prompt_tokens": seq.num_prompt,
+        "completion_tokens": len(seq.output_ids),
+        "finish_reason": seq.finish_reason,
+        "backend": llm.info.backend,
+        "model": llm.info.model,
+        "precision": llm.engine.precision.name,
+        "profile": llm.profile.model_dump(),
+        "timing": {
+            "load_s": round(llm.info.load_s, 4),
+            "ttft_s": round(first_token_at - start, 4),
+            "decode_tok_s": round(decode_tokens / (end - first_token_at), 2) if end > first_token_at else 0.0,
+        },
+        "spec": {"method": llm.profile.spec, **spec},
+    }
+
+
+def main():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The engine loop: schedule, run the model, append sampled tokens, retire finished requests."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backend import Backend
+from ..errors import UserError
+from ..loader import LoadedModel
+from ..model import DecoderModel
+from ..precision import PRECISIONS
+from ..profile import Profile
+from .block_manager import BlockManager
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import SamplingParams, Sequence
+
+GIB = 1 << 30
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
+        self.backend, self.profile, self.config = backend, profile, loaded.config
+        self.precision = backend.check_request(precision or backend.default_precision, profile)
+        self.model = DecoderModel(
+            loaded.config,
+            loaded.weights,
+            backend.kernels(self.precision),
+            self.precision,
+            backend.device(),
+            backend.activation_dtype(self.precision),
+        )
+        self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.kv_dtype = self._kv_dtype()
+        runner_class = backend.runner_class(profile)
+        num_blocks = self._num_blocks(runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype))
+        self.runner = runner_class(self.model, num_blocks, profile.block_size, self.kv_dtype)
+        self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
+        self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+
+    def _kv_dtype(self) -> torch.dtype:
+        name = self.profile.kv_cache_dtype
+        if name == "auto":
+            return self.model.dtype
+        if name.startswith("fp8") and not self.backend.features.get("fp8_kv_cache"):
+            raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
+        return PRECISIONS[name].storage_dtype
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        """Blocks that fit the memory budget, but no more than the configured batch could ever use."""
+        budget = self.backend.free_memory_bytes() * self.profile.memory_utilization
+        if self.profile.kv_cache_max_gib is not None:
+            budget = min(budget, self.profile.kv_cache_max_gib * GIB)
+        useful = self.profile.max_num_seqs * -(-self.max_model_len // self.profile.block_size)
+        num_blocks = min(int(budget // block_bytes), useful)
+        if num_blocks < 1:
+            raise UserError(
+                f"no memory left for the KV cache ({budget / GIB:.2f} GiB budget, {block_bytes} bytes a block);"
+                " raise --memory-utilization or pick a smaller model"
+            )
+        return num_blocks
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
+                    chunked_prefill: bool | None = None) -> Sequence:
+        if not prompt_ids:
+            raise UserError("the prompt is empty: give some text")
+        if len(prompt_ids) >= self.max_model_len:
+            raise UserError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len};"
+                " shorten it or raise --max-model-len"
+            )
+        if len(prompt_ids) > self.blocks.num_blocks * self.blocks.block_size:
+            raise UserError("the prompt does not fit the KV cache; raise the memory budget or shorten the prompt")
+        chunked = self.profile.chunked_prefill if chunked_prefill is None else chunked_prefill and self.profile.chunked_prefill
+        seq = Sequence(list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a request and free its blocks at once."""
+        if seq.finish_reason is None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        _, sampled = self.runner.run(batch)
+        return self._postprocess(batch, sampled.tolist())
+
+    def _postprocess(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
+        outputs, row = [], 0
+        for item in batch:
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            new: list[int] = []
+            if item.num_logits:
+                new = [sampled[row]]
+                row += item.num_logits
+                seq.token_ids.extend(new)
+            self.blocks.commit_full_blocks(seq)
+            reason = self._stop_reason(seq) if new else None
+            if reason:
+                self.scheduler.finish(seq, reason)
+            outputs.append(StepOutput(seq, new, reason is not None))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        last = seq.token_ids[-1]
+        if not seq.params.ignore_eos and (last in self.eos_ids or last in seq.params.stop_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs

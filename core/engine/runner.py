@@ -1,0 +1,112 @@
+"""Turns a scheduled batch into flat tensors, runs the model and samples on the device."""
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import AttentionMetadata, SamplingTensors
+from ..model import DecoderModel
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # rows of the hidden states whose logits are needed
+    sampling: SamplingTensors
+    is_decode: bool  # every sequence contributes exactly one token: the shape CUDA graphs capture
+
+
+class ModelRunner:
+    """Generic runner; a backend may subclass it to capture graphs or fuse the step."""
+
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
+        cfg = model.config
+        self.model, self.block_size, self.device = model, block_size, model.device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_block(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) -> int:
+        cfg = model.config
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [rows, vocab] float32, sampled token ids [rows]) for the rows each sequence asked for."""
+        inputs = self.prepare(batch)
+        hidden = self.forward(inputs)
+        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        return logits, self.model.kernels.sample(logits, inputs.sampling)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+        ids, positions, slots, query_lens, context_lens, rows = [], [], [], [], [], []
+        temps, top_ks, top_ps, seeds = [], [], [], []
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            tokens = (seq.token_ids + seq.draft_ids)[start : start + n]
+            ids += tokens
+            positions += range(start, start + n)
+            slots += [self._slot(seq, p) for p in range(start, start + n)]
+            query_lens.append(n)
+            context_lens.append(start + n)
+            first_row = len(ids) - item.num_logits
+            for r in range(item.num_logits):
+                rows.append(first_row + r)
+                temps.append(seq.params.temperature)
+                top_ks.append(seq.params.top_k)
+                top_ps.append(seq.params.top_p)
+                seeds.append(noise_seed(seq.seed, start + n - item.num_logits + r + 1))
+        max_blocks = max(len(item.seq.block_table) for item in batch)
+        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in batch]
+        dev, i32 = self.device, torch.int32
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start=torch.tensor([0] + _cumsum(query_lens), dtype=i32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=i32, device=dev),
+            block_tables=torch.tensor(tables, dtype=i32, device=dev),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_host=tuple(query_lens),
+            context_lens_host=tuple(context_lens),
+        )
+        sampling = SamplingTensors(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=dev),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=dev),
+            noise_seed=torch.tensor(seeds, dtype=torch.int64, device=dev),
+            all_greedy=all(t == 0 for t in temps),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logit_rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+            sampling=sampling,
+            is_decode=len(ids) == len(batch),
+        )
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def noise_seed(request_seed: int, position: int) -> int:
+    """Sampling noise keyed by (request seed, position of the token drawn): batch-independent and repeatable."""
+    return (request_seed * 1_000_003 + position) & ((1 << 62) - 1)
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

@@ -1,0 +1,71 @@
+"""A request's tokens and progress through the engine."""
+
+import enum
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+
+class SamplingParams(BaseModel):
+    """How to pick the next token and when to stop. Temperature 0 means greedy."""
+
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    max_tokens: int = Field(default=256, ge=1)
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    chunked_prefill: bool = True  # a per-request profile may turn chunking off for its prompt
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached_prefix: int = 0  # tokens served by the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival_index: int = field(default_factory=lambda: next(_ids))
+    seed: int = 0
+    # Speculative decoding: tokens proposed for the next step, verified by the target model.
+    draft_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+        self.request_id = self.request_id or f"req-{self.arrival_index}"
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed > 1

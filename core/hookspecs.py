@@ -1,0 +1,11 @@
+"""The plugin contract: a module named by a `flashnext.backends` entry point implements these hooks."""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("flashnext")
+hookimpl = pluggy.HookimplMarker("flashnext")
+
+
+@hookspec
+def register_backends(register):
+    """Call `register(backend)` once for each Backend instance the plugin provides."""

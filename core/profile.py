@@ -1,0 +1,58 @@
+"""Engine settings a backend ships as named profiles; env vars and flags override them."""
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from .errors import UserError
+
+SpecMethod = Literal["none", "ngram", "mtp"]
+KvCacheDtype = Literal["auto", "fp8-e5m2", "fp8-e4m3", "bf16", "fp16", "fp32"]
+
+
+class Profile(BaseModel):
+    """Every knob the engine reads. Defaults suit a small CPU deployment; backends ship their own."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = "basic"
+    cuda_graphs: bool = False
+    graph_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    chunked_prefill: bool = False
+    prefix_caching: bool = True
+    spec: SpecMethod = "none"
+    spec_tokens: int = Field(default=4, ge=1, le=16)
+    spec_adaptive: bool = True
+    max_num_seqs: int = Field(default=16, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=1024, ge=16)
+    max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own context length
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_dtype: KvCacheDtype = "auto"
+    memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)  # fraction of free device memory for KV
+    kv_cache_max_gib: float | None = Field(default=None, gt=0)  # hard cap, useful on shared hosts and in tests
+
+    def overridden(self, **changes) -> "Profile":
+        """A copy with `changes` applied (None means keep), validated: bad values name the field."""
+        data = self.model_dump() | {k: v for k, v in changes.items() if v is not None}
+        try:
+            return Profile(**data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise UserError(f"profile setting '{field}': {err['msg']} (got {err.get('input')!r})") from None
+
+    def basic(self) -> "Profile":
+        """The rollback switch: no speculative decoding, no graphs, no chunked prefill; prefix caching stays."""
+        return self.overridden(name="basic", cuda_graphs=False, chunked_prefill=False, spec="none")
+
+
+def env_overrides(environ=os.environ) -> dict:
+    """FLASHNEXT_<FIELD>=value for any Profile field (e.g. FLASHNEXT_MAX_NUM_SEQS=4); lists are comma-separated."""
+    out = {}
+    for name, field in Profile.model_fields.items():
+        raw = environ.get(f"FLASHNEXT_{name.upper()}")
+        if raw is None or name == "name":
+            continue
+        out[name] = raw.split(",") if "list" in str(field.annotation) else raw
+    return out

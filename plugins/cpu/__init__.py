@@ -1,0 +1,48 @@
+"""The CPU backend: reference numerics for every precision; the default where no accelerator is found."""
+
+import psutil
+import torch
+
+from flashnext.core.backend import Backend, Probe
+from flashnext.core.hookspecs import hookimpl
+from flashnext.core.profile import Profile
+
+from .kernels import CpuKernels
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    precisions = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
+    default_precision = "fp32"
+    features = {
+        "cuda_graphs": False,
+        "chunked_prefill": True,
+        "prefix_caching": True,
+        "spec_decode": False,
+        "fp8_kv_cache": True,
+    }
+
+    def probe(self) -> Probe:
+        facts = {"threads": torch.get_num_threads(), "memory_available_bytes": psutil.virtual_memory().available}
+        return Probe(True, 1.0, "the CPU is always there; the lowest score so any accelerator wins", facts)
+
+    def profiles(self) -> dict[str, Profile]:
+        # The KV cap keeps a laptop responsive: 2 GiB holds ~45k tokens of the default model in fp32.
+        full = Profile(name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512,
+                       kv_cache_max_gib=2.0)
+        return {"full": full, "basic": full.basic()}
+
+    def kernels(self, precision):
+        return CpuKernels()
+
+    def activation_dtype(self, precision):
+        # Quantized weights are expanded to fp32 on the CPU: fp32 GEMMs are the fast path there.
+        return precision.activation_dtype if precision.name in ("bf16", "fp16") else torch.float32
+
+    def free_memory_bytes(self) -> int:
+        return psutil.virtual_memory().available
+
+
+@hookimpl
+def register_backends(register):
+    register(CpuBackend())
