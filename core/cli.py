@@ -189,6 +189,11 @@ def _report(llm, seq, text: str, start: float, first_token_at: float) -> dict:
     }
 
 
+from .cli_serve import serve  # noqa: E402  (after friendly_errors, which it uses)
+
+app.command()(serve)
+
+
 def main():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     app()

@@ -135,7 +135,7 @@ def _load_folder(path: Path) -> LoadedModel:
         if len(ggufs) == 1:
             return load_gguf(ggufs[0])
         raise UserError(f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file")
-    config, raw = _config_from_hf(path / "config.json")
+    config, _ = _config_from_hf(path / "config.json")
     weights = _load_safetensors_weights(path)
     tokenizer = Tokenizer.from_hf_folder(path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:

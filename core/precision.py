@@ -329,10 +329,13 @@ class Precision:
     activation_dtype: torch.dtype  # a suggestion; backends may compute in another dtype
     bits: int
 
-    def quantize(self, w: Weight, group_size: int = 128) -> Weight:
+    def quantize(self, w: Weight, group_size: int | None = None) -> Weight:
+        """Convert to this precision; int4 picks the largest group of 128 / 64 / 32 dividing K unless told."""
         if self.name == "int4":
             if isinstance(w, Int4Weight):
                 return w  # already int4 (GGUF path): requantizing would only add error
+            k = w.shape[-1]
+            group_size = group_size or next((g for g in (128, 64, 32) if k % g == 0), 128)
             return int4_quantize(_dequantize(w, torch.float32), group_size=group_size)
         if self.name in FP8_MAX:
             if isinstance(w, Fp8Weight) and w.fmt == self.name:

@@ -100,10 +100,7 @@ class IncrementalDecoder:
         prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
         full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            if full_text.startswith(prefix_text):
-                new = full_text[len(prefix_text) :]
-            else:  # the window's prefix decodes differently once extended; emit the tail only
-                new = full_text[len(prefix_text) :]
+            new = full_text[len(prefix_text) :]
             self._prefix = self._read
             self._read = len(self._ids)
             return new
@@ -214,7 +211,6 @@ class Tokenizer:
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         mcfg = _read_json(path / "config.json")
-        added = cfg.get("added_tokens_decoder") or {}
 
         def tok_text(value) -> str | None:
             if isinstance(value, dict):
@@ -259,7 +255,6 @@ class Tokenizer:
             | {k: tok_text(cfg.get(k)) or "" for k in ("pad_token", "unk_token")},
         )
         tok.add_bos = tok._post_processor_adds_bos()
-        del added
         return tok
 
     @classmethod

@@ -1,7 +1,6 @@
 """Loader: tiny HF folders (each arch, sharded), tiny GGUFs (permutation undone), the real default GGUF, bad input."""
 
 import json
-import shutil
 import struct
 
 import pytest

@@ -26,7 +26,7 @@ class BlockManager:
         # Free blocks in eviction order: cached-but-unused blocks stay reusable until they reach the front.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_hits = 0  # blocks served from the cache
-        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_queries = 0  # full prompt blocks of admitted sequences
 
     @property
     def num_free(self) -> int:
@@ -40,15 +40,23 @@ class BlockManager:
         """Give a waiting sequence its cached prefix blocks. Returns False if even those don't fit."""
         assert not seq.block_table
         cached = self._cached_prefix(seq) if self.prefix_caching else []
-        if self.blocks_needed(seq, 1) > self.num_free + sum(1 for b in cached if self.ref_counts[b] == 0):
+        # The last prompt token is always recomputed: its logits start the output.
+        num_computed = min(len(cached) * self.block_size, len(seq) - 1)
+        # Cached blocks nobody holds sit in the free list: taking them shrinks it.
+        free_after = self.num_free - sum(1 for b in cached if self.ref_counts[b] == 0)
+        if -(-(num_computed + 1) // self.block_size) - len(cached) > free_after:
             return False
         for block in cached:
             self._take(block)
         seq.block_table = cached
-        # The last prompt token is always recomputed: its logits start the output.
-        seq.num_computed = min(len(cached) * self.block_size, len(seq) - 1)
-        seq.num_cached_prefix = seq.num_computed
+        seq.num_computed = seq.num_cached_prefix = num_computed
         return True
+
+    def count_prefix_lookup(self, seq: Sequence) -> None:
+        """Count an admission's full prompt blocks and its cache hits, once it is really admitted: a blocked
+        admission retried every step must not inflate the counts."""
+        self.prefix_queries += len(seq) // self.block_size
+        self.prefix_hits += -(-seq.num_cached_prefix // self.block_size)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         blocks, parent = [], None
@@ -56,11 +64,9 @@ class BlockManager:
             tokens = seq.token_ids[start : start + self.block_size]
             parent = chain_hash(parent, tokens)
             block = self.hash_to_block.get(parent)
-            self.prefix_queries += 1
             if block is None or self.block_tokens[block] != tokens:
                 break
             blocks.append(block)
-        self.prefix_hits += len(blocks)
         return blocks
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:

@@ -10,6 +10,8 @@ from ..loader import LoadedModel
 from ..model import DecoderModel
 from ..precision import PRECISIONS
 from ..profile import Profile
+from ..spec.decoder import SpecDecoder
+from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SamplingParams, Sequence
@@ -40,10 +42,15 @@ class LLMEngine:
                                  self.config.max_position_embeddings)
         self.kv_dtype = self._kv_dtype()
         runner_class = backend.runner_class(profile)
-        num_blocks = self._num_blocks(runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype))
+        block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
+        if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
+            block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
+        num_blocks = self._num_blocks(block_bytes)
         self.runner = runner_class(self.model, num_blocks, profile.block_size, self.kv_dtype)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
+        self.spec = None if profile.spec == "none" else SpecDecoder(
+            profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
 
     def _kv_dtype(self) -> torch.dtype:
@@ -69,7 +76,7 @@ class LLMEngine:
         return num_blocks
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
-                    chunked_prefill: bool | None = None) -> Sequence:
+                    chunked_prefill: bool | None = None, spec_enabled: bool = True) -> Sequence:
         if not prompt_ids:
             raise UserError("the prompt is empty: give some text")
         if len(prompt_ids) >= self.max_model_len:
@@ -80,7 +87,8 @@ class LLMEngine:
         if len(prompt_ids) > self.blocks.num_blocks * self.blocks.block_size:
             raise UserError("the prompt does not fit the KV cache; raise the memory budget or shorten the prompt")
         chunked = self.profile.chunked_prefill if chunked_prefill is None else chunked_prefill and self.profile.chunked_prefill
-        seq = Sequence(list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked)
+        seq = Sequence(list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked,
+                       spec_enabled=spec_enabled)
         self.scheduler.add(seq)
         return seq
 
@@ -96,31 +104,53 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        starts = [item.seq.num_computed for item in batch]
         _, sampled = self.runner.run(batch)
-        return self._postprocess(batch, sampled.tolist())
+        outputs = self._postprocess(batch, sampled.tolist())
+        if self.spec:
+            self.spec.after_step(batch, starts, self.runner.last_hidden)
+        return outputs
 
     def _postprocess(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
         outputs, row = [], 0
         for item in batch:
-            seq = item.seq
-            seq.num_computed += item.num_tokens
+            seq, drafts, seq.draft_ids = item.seq, item.seq.draft_ids, []
+            # Draft KV is kept only for accepted drafts, counted below: rejected tokens are never committed.
+            seq.num_computed += item.num_tokens - len(drafts)
             new: list[int] = []
+            reason = None
             if item.num_logits:
-                new = [sampled[row]]
+                rows = sampled[row : row + item.num_logits]
                 row += item.num_logits
-                seq.token_ids.extend(new)
+                for token in self.spec.accept(seq, drafts, rows) if drafts else rows[:1]:
+                    new.append(token)
+                    seq.token_ids.append(token)
+                    reason = self._stop_reason(seq)
+                    if reason:
+                        break
+                seq.num_computed += len(new) - 1  # accepted drafts; the last new token is computed next step
+            if drafts:
+                self.blocks.truncate(seq, len(seq))  # roll back the blocks of rejected drafts
             self.blocks.commit_full_blocks(seq)
-            reason = self._stop_reason(seq) if new else None
             if reason:
                 self.scheduler.finish(seq, reason)
             outputs.append(StepOutput(seq, new, reason is not None))
         return outputs
 
+    def spec_stats(self) -> dict:
+        """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
+        if self.spec is None:
+            return {"drafts": 0, "drafted": 0, "accepted": 0, "accepted_per_position": [],
+                    "mean_acceptance_length": 0.0}
+        return self.spec.stats.as_dict()
+
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]
         if not seq.params.ignore_eos and (last in self.eos_ids or last in seq.params.stop_token_ids):
             return "stop"
-        if len(seq.output_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+        # A sequence longer than the whole KV cache could never be scheduled again, even alone.
+        too_long = len(seq) >= self.max_model_len or len(seq) > self.blocks.num_blocks * self.blocks.block_size
+        if len(seq.output_ids) >= seq.params.max_tokens or too_long:
             return "length"
         return None
 

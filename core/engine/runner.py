@@ -28,7 +28,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, model.device
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            (torch.empty(shape, dtype=kv_dtype, device=self.device), torch.empty(shape, dtype=kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
 
@@ -41,6 +41,7 @@ class ModelRunner:
         """Returns (logits [rows, vocab] float32, sampled token ids [rows]) for the rows each sequence asked for."""
         inputs = self.prepare(batch)
         hidden = self.forward(inputs)
+        self.last_hidden = hidden  # final hidden states of every token of the step: the MTP drafter's input
         logits = self.model.compute_logits(hidden[inputs.logit_rows])
         return logits, self.model.kernels.sample(logits, inputs.sampling)
 

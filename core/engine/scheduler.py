@@ -50,6 +50,8 @@ class Scheduler:
         return batch
 
     def _tokens_for(self, seq: Sequence, budget: int, batch_empty: bool) -> int:
+        if seq.num_uncomputed + len(seq.draft_ids) > budget:  # drafts are optional: shed them, not the decode
+            del seq.draft_ids[max(0, budget - seq.num_uncomputed) :]
         wanted = seq.num_uncomputed + len(seq.draft_ids)
         if wanted <= budget:
             return wanted
@@ -67,6 +69,7 @@ class Scheduler:
             seq.num_computed = 0
             return False
         self.blocks.grow(seq, seq.num_computed + n)
+        self.blocks.count_prefix_lookup(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         batch.append(self._scheduled(seq, n))

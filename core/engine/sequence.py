@@ -4,8 +4,12 @@ import enum
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from ..spec.adaptive import AcceptanceTracker
 
 
 class SamplingParams(BaseModel):
@@ -45,6 +49,8 @@ class Sequence:
     seed: int = 0
     # Speculative decoding: tokens proposed for the next step, verified by the target model.
     draft_ids: list[int] = field(default_factory=list)
+    spec_enabled: bool = True  # a per-request profile (basic) turns drafting off for this request
+    spec_tracker: "AcceptanceTracker | None" = None  # rolling acceptance, made on the first draft
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

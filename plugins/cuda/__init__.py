@@ -3,6 +3,7 @@
 import torch
 
 from flashnext.core.backend import Backend, Probe
+from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
 from flashnext.core.profile import Profile
 
@@ -35,22 +36,47 @@ class CudaBackend(Backend):
     precisions = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
     default_precision = "bf16"
     features = {
-        "cuda_graphs": False,
+        "cuda_graphs": True,  # decode steps replay captured graphs, several per host round trip (runner.py)
         "chunked_prefill": True,
         "prefix_caching": True,
         "spec_decode": False,
-        "fp8_kv_cache": True,
+        "fp8_kv_cache": True,  # e5m2 or e4m3 cache, widened to bf16 inside the attention kernel
+        "triton_kernels": True,
+        "fp8_scaled_mm": True,  # fp8-e4m3 weights: per-channel weight and per-token activation scales
+        "int4_triton_gemm": True,
     }
 
     def probe(self) -> Probe:
         return cuda_probe()
 
     def profiles(self) -> dict[str, Profile]:
-        full = Profile(name="full", chunked_prefill=True, max_num_seqs=128, max_num_batched_tokens=2048)
+        # A large token budget: on a slow host each eager prefill step costs tens of milliseconds of Python.
+        full = Profile(name="full", cuda_graphs=True, chunked_prefill=True, max_num_seqs=256,
+                       max_num_batched_tokens=16384, graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256])
         return {"full": full, "basic": full.basic()}
 
     def device(self) -> torch.device:
         return torch.device("cuda")
+
+    def kernels(self, precision):
+        from .kernels import CudaKernels
+
+        return CudaKernels()
+
+    def runner_class(self, profile: Profile):
+        from .runner import CudaGraphRunner
+
+        return CudaGraphRunner.for_profile(profile)
+
+    def check_request(self, precision: str, profile: Profile):
+        chosen = super().check_request(precision, profile)
+        if precision == "fp8-e4m3":
+            props = torch.cuda.get_device_properties(0)
+            if (props.major, props.minor) < (8, 9):
+                raise UserError(
+                    f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {props.name} is"
+                    f" {props.major}.{props.minor}: use --precision bf16 or int4")
+        return chosen
 
     def free_memory_bytes(self) -> int:
         free, _total = torch.cuda.mem_get_info()

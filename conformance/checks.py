@@ -1,0 +1,69 @@
+"""Comparing a backend's output with the reference: NMSE, non-finite agreement and where the error sits."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_KINDS = ("finite", "nan", "+inf", "-inf")
+
+
+@dataclass
+class Comparison:
+    nmse: float
+    fault: str | None  # a disagreement no NMSE bound excuses: shape, or NaN/Inf in another place or sign
+    where: str  # human pointer at the largest error, for the failure message
+
+
+def _kind(x: torch.Tensor) -> torch.Tensor:
+    kind = torch.zeros_like(x, dtype=torch.int8)
+    kind[torch.isnan(x)] = 1
+    kind[x == math.inf] = 2
+    kind[x == -math.inf] = 3
+    return kind
+
+
+def _index(flat: int, shape) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(shape)))
+
+
+def nonfinite_fault(out: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """NaN and ±Inf must appear exactly where the reference has them, with the same sign."""
+    k_out, k_ref = _kind(out), _kind(ref)
+    bad = (k_out != k_ref).flatten()
+    if not bad.any():
+        return None
+    first = int(bad.nonzero()[0])
+    idx = _index(first, out.shape)
+    got, want = out.flatten()[first].item(), ref.flatten()[first].item()
+    return (f"{int(bad.sum())} of {bad.numel()} elements disagree on NaN/Inf; first at index {idx}: "
+            f"got {got:g} ({_KINDS[int(k_out.flatten()[first])]}), reference {want:g}")
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
+    if tuple(out.shape) != tuple(ref.shape):
+        return Comparison(math.nan, f"output shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}", "")
+    o = out.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    fault = nonfinite_fault(o, r)
+    both = torch.isfinite(o) & torch.isfinite(r)
+    err = torch.where(both, (o - r) ** 2, torch.zeros_like(o))
+    power = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).sum()
+    total = float(err.sum())
+    nmse = total / float(power) if float(power) > 0 else total
+    return Comparison(nmse, fault, _where(o, r, err) if total > 0 else "")
+
+
+def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor) -> str:
+    worst = int(err.flatten().argmax())
+    idx = _index(worst, o.shape)
+    text = f"worst at index {idx}: got {o.flatten()[worst].item():.6g}, reference {r.flatten()[worst].item():.6g}"
+    if o.dim() >= 2:
+        # Rows (tokens) whose own relative error is gross: points at skipped or misplaced rows.
+        row_err = err.flatten(1).sum(1)
+        row_pow = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).flatten(1).sum(1).clamp_min(1e-300)
+        bad_rows = (row_err / row_pow > 1e-2).nonzero().flatten().tolist()
+        if bad_rows:
+            shown = ", ".join(str(i) for i in bad_rows[:8]) + (" ..." if len(bad_rows) > 8 else "")
+            text += f"; {len(bad_rows)} of {o.shape[0]} rows are off by more than 1% (rows {shown})"
+    return text

@@ -1,0 +1,122 @@
+"""Engine-level helpers: a tiny random model built in memory, a float32 reference backend, prompt logits, greedy runs.
+
+The tiny model needs no files and no tokenizer training, so a third-party backend's author can run the suite
+anywhere flashnext is installed.
+"""
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from flashnext.core.backend import Backend, Probe
+from flashnext.core.config import ModelConfig
+from flashnext.core.engine.engine import LLMEngine
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.loader import LoadedModel
+from flashnext.core.precision import PRECISIONS
+from flashnext.core.tokenizer import Tokenizer
+
+TINY_VOCAB = 384
+
+
+def tiny_config() -> ModelConfig:
+    # K of every projection is a multiple of 128 so int4's default group size applies; GQA 4:2 like real models.
+    return ModelConfig(architecture="llama", vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def tiny_model(seed: int = 0) -> LoadedModel:
+    """Random weights scaled so logits spread widely: greedy choices have margins far above rounding noise."""
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=1.0), "model.norm.weight": 1 + rnd(h, std=0.1),
+         "lm_head.weight": rnd(cfg.vocab_size, h, std=0.4)}
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        w |= {p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
+              p + "self_attn.q_proj.weight": rnd(q, h, std=0.2), p + "self_attn.k_proj.weight": rnd(kv, h, std=0.2),
+              p + "self_attn.v_proj.weight": rnd(kv, h, std=0.1), p + "self_attn.o_proj.weight": rnd(h, q, std=0.1),
+              p + "mlp.gate_proj.weight": rnd(i, h, std=0.1), p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
+              p + "mlp.down_proj.weight": rnd(h, i, std=0.1)}
+    vocab = {f"t{n}": n for n in range(cfg.vocab_size)}
+    tok = Tokenizer(HFTokenizer(models.WordLevel(vocab, unk_token="t0")), bos_token_id=None, eos_token_ids=[],
+                    add_bos=False, chat_template=None, source="conformance tiny model")
+    return LoadedModel(cfg, w, tok, "conformance tiny model", "tiny")
+
+
+def tiny_prompts(n: int, seed: int, lengths=(5, 23, 40, 9, 33, 17)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, TINY_VOCAB, (lengths[k % len(lengths)],), generator=g).tolist() for k in range(n)]
+
+
+class ReferenceBackend(Backend):
+    """The core reference kernels in float32 on the CPU: what engine-level cases compare a backend with."""
+
+    name = "reference"
+    precisions = tuple(PRECISIONS)
+    features = {"chunked_prefill": True, "prefix_caching": True}
+
+    def probe(self) -> Probe:
+        return Probe(True, 0.0, "core reference kernels")
+
+    def activation_dtype(self, precision) -> torch.dtype:
+        return torch.float32
+
+    def free_memory_bytes(self) -> int:
+        return 1 << 30
+
+
+def make_engine(backend: Backend, loaded: LoadedModel, precision: str, **overrides) -> LLMEngine:
+    """The backend's default profile with a small KV cache, and `overrides` applied (validated by Profile)."""
+    base = backend.profiles()[backend.default_profile]
+    settings = {"kv_cache_max_gib": 0.02, "max_model_len": 256, "max_num_batched_tokens": 512} | overrides
+    return LLMEngine(backend, loaded, precision, base.overridden(**settings))
+
+
+def plain_profile() -> dict:
+    """Overrides that turn off every optional path, for the unoptimized side of a comparison."""
+    return {"chunked_prefill": False, "cuda_graphs": False, "spec": "none"}
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits at every prompt position in one step (the engine must not chunk: use plain_profile())."""
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    batch = engine.scheduler.schedule()
+    try:
+        if len(batch) != 1 or batch[0].num_tokens != len(prompt):
+            raise AssertionError(f"expected the whole {len(prompt)}-token prompt in one step, got {batch}")
+        logits, _ = engine.runner.run([ScheduledSeq(seq, len(prompt), len(prompt))])
+        return logits.float().cpu()
+    finally:
+        engine.abort(seq)
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return seqs
+
+
+def outputs(seqs: list[Sequence]) -> list[list[int]]:
+    return [s.output_ids for s in seqs]
+
+
+def mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
+    """Tokens that differ between two runs, and where the first difference is."""
+    count, first = 0, ""
+    for i, (x, y) in enumerate(zip(a, b)):
+        diff = [j for j in range(max(len(x), len(y))) if j >= len(x) or j >= len(y) or x[j] != y[j]]
+        count += len(diff)
+        if diff and not first:
+            j = diff[0]
+            first = f"request {i} differs from token {j}: {x[j:j + 4]} vs {y[j:j + 4]}"
+    return count, first

@@ -1,0 +1,633 @@
+"""The conformance cases: run by `flashnext conformance` (or `pytest --pyargs flashnext.conformance.suite`).
+
+Every kernel of the backend under test is compared with the core reference computed in higher precision on the
+same inputs, for each precision the backend declares; then precision validity, engine invariants, capability
+honesty and (slow) end-to-end numbers on the default model. Bounds live in thresholds.py.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashnext.conformance import harness
+from flashnext.conformance.checks import compare
+from flashnext.conformance.data import GREEDY_PROMPTS, SHAKESPEARE
+from flashnext.conformance.pytest_plugin import backend_under_test
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.errors import UserError
+from flashnext.core.kernels import AttentionMetadata, ReferenceKernels, SamplingTensors
+from flashnext.core.precision import (FP8_DTYPES, FP8_MAX, PRECISIONS, Fp8Weight, Int4Weight, fp8_quantize,
+                                      fp8_quantize_per_token, int4_from_gguf, int4_quantize, pack_int4, unpack_int4,
+                                      validate_weight)
+
+REF = ReferenceKernels()
+QUANTIZED = ("fp8-e4m3", "fp8-e5m2", "int4")
+FEATURES = ("chunked_prefill", "cuda_graphs", "spec_decode")
+
+
+def pytest_generate_tests(metafunc):
+    """`precision` runs over what the backend declares; `undeclared` over what it must refuse."""
+    if "precision" in metafunc.fixturenames:
+        metafunc.parametrize("precision", list(backend_under_test(metafunc.config).precisions))
+    if "undeclared" in metafunc.fixturenames:
+        declared = backend_under_test(metafunc.config).precisions
+        metafunc.parametrize("undeclared", [p for p in PRECISIONS if p not in declared] + ["fp4"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+class Setup:
+    """What a case needs to call the backend: its kernels, activation dtype, device and a seeded generator."""
+
+    def __init__(self, backend, precision: str, seed: int, case: str):
+        p = PRECISIONS[precision]
+        self.kernels, self.dtype, self.device = backend.kernels(p), backend.activation_dtype(p), backend.device()
+        # Fresh inputs per case (never zeros), reproducible from --flashnext-seed and the case name.
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, case)) * 7919)
+
+    def randn(self, *shape, std=1.0, dtype=None) -> torch.Tensor:
+        """Random values rounded to the activation dtype, on the CPU (the reference reads these exact values)."""
+        x = torch.randn(*shape, generator=self.gen) * std
+        return x.to(dtype or self.dtype)
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device).clone()
+
+    def poison(self, shape, dtype=None) -> None:
+        """Leave NaN-filled freed memory in the allocator, so an output the kernel never writes shows up as NaN."""
+        dtype = dtype or self.dtype
+        for _ in range(2):
+            junk = torch.full(tuple(shape), float("nan"), dtype=dtype, device=self.device)
+            del junk
+
+
+def record(conformance, key, precision, out, ref, label="") -> bool:
+    c = compare(out, ref)
+    return conformance.check(key, precision, c.nmse, label=label, detail=c.where, fault=c.fault)
+
+
+def kv_dtypes(backend, setup: Setup) -> list[torch.dtype]:
+    """The activation dtype, plus FP8 caches where the backend declares an FP8 KV cache."""
+    extra = [FP8_DTYPES["fp8-e4m3"], FP8_DTYPES["fp8-e5m2"]] if backend.features.get("fp8_kv_cache") else []
+    return [setup.dtype] + extra
+
+
+def block_size(backend) -> int:
+    return backend.profiles()[backend.default_profile].block_size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# op cases
+
+
+def test_embedding(backend, conformance, precision, seed):
+    s = Setup(backend, precision, seed, "embedding")
+    weight = s.randn(1000, 130)
+    ids = torch.randint(0, 1000, (37,), generator=s.gen)
+    ids[5] = ids[11]  # repeated ids
+    weight[ids[3], :3] = torch.tensor([float("nan"), float("inf"), -float("inf")]).to(weight.dtype)
+    s.poison((37, 130))
+    out = s.kernels.embedding(s.on_device(ids), s.on_device(weight))
+    record(conformance, "embedding", precision, out, F.embedding(ids, weight.double()))
+
+
+NORM_SHAPES = [(1, 64), (5, 130), (33, 576), (9, 4, 64)]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rmsnorm(backend, conformance, precision, seed, shape):
+    s = Setup(backend, precision, seed, f"rmsnorm{shape}")
+    x, w = s.randn(*shape, std=3.0), s.randn(shape[-1], std=0.2) + 1
+    if shape == (5, 130):
+        x[2, 7] = float("nan")  # the whole row becomes NaN, no other row
+    s.poison(shape)
+    out = s.kernels.rmsnorm(s.on_device(x), s.on_device(w), 1e-6)
+    record(conformance, "rmsnorm", precision, out, REF.rmsnorm(x.double(), w.double(), 1e-6))
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_add_rmsnorm(backend, conformance, precision, seed, shape):
+    s = Setup(backend, precision, seed, f"add_rmsnorm{shape}")
+    x, res, w = s.randn(*shape), s.randn(*shape, std=2.0), s.randn(shape[-1], std=0.2) + 1
+    s.poison(shape)
+    normed, summed = s.kernels.add_rmsnorm(s.on_device(x), s.on_device(res), s.on_device(w), 1e-6)
+    ref_normed, ref_summed = REF.add_rmsnorm(x.double(), res.double(), w.double(), 1e-6)
+    record(conformance, "add_rmsnorm", precision, normed, ref_normed, "normed")
+    record(conformance, "add_rmsnorm", precision, summed, ref_summed, "residual")
+
+
+def rope_table(head_dim: int, max_pos: int = 4096, theta: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (13, 4, 2, 64), (40, 9, 3, 128), (7, 8, 8, 32)])
+def test_rope(backend, conformance, precision, seed, tokens, heads, kv_heads, head_dim):
+    s = Setup(backend, precision, seed, f"rope{tokens}{heads}{kv_heads}{head_dim}")
+    q, k = s.randn(tokens, heads, head_dim), s.randn(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=s.gen)  # unsorted, as a mixed batch has them
+    positions[0] = 0
+    table = rope_table(head_dim)
+    s.poison(q.shape)
+    out_q, out_k = s.kernels.rope(s.on_device(q), s.on_device(k), s.on_device(positions), s.on_device(table))
+    ref_q, ref_k = REF.rope(q.double(), k.double(), positions, table.double())
+    record(conformance, "rope", precision, out_q, ref_q, "q")
+    record(conformance, "rope", precision, out_k, ref_k, "k")
+
+
+def test_store_kv(backend, conformance, precision, seed):
+    s = Setup(backend, precision, seed, "store_kv")
+    bs, blocks, kv_heads, head_dim, tokens = block_size(backend), 9, 2, 64, 23
+    slots = torch.randperm(blocks * bs, generator=s.gen)[:tokens]
+    slots[[4, 10, 17]] = -1  # padding tokens: written nowhere
+    k, v = s.randn(tokens, kv_heads, head_dim), s.randn(tokens, kv_heads, head_dim)
+    for dtype in kv_dtypes(backend, s):
+        # Poison: every slot starts NaN; afterwards exactly the mapped slots may hold numbers.
+        k_cache = torch.full((blocks, bs, kv_heads, head_dim), float("nan"), dtype=dtype)
+        v_cache = k_cache.clone()
+        dev_k, dev_v = s.on_device(k_cache), s.on_device(v_cache)
+        REF.store_kv(k, v, k_cache, v_cache, slots)
+        ref_k, ref_v = k_cache.double(), v_cache.double()
+        s.kernels.store_kv(s.on_device(k), s.on_device(v), dev_k, dev_v, s.on_device(slots))
+        for name, got, want in (("k", dev_k, ref_k), ("v", dev_v, ref_v)):
+            c = compare(got.double(), want)
+            conformance.check("store_kv", precision, c.nmse, label=f"{name} cache {str(dtype).removeprefix('torch.')}",
+                              detail=_slot_report(got, slots), fault=c.fault)
+
+
+def _slot_report(cache: torch.Tensor, slots: torch.Tensor) -> str:
+    written = ~torch.isnan(cache.double().cpu()).flatten(0, 1).flatten(1).all(dim=1)
+    wanted = torch.zeros_like(written)
+    wanted[slots[slots >= 0]] = True
+    missed = (wanted & ~written).nonzero().flatten().tolist()
+    extra = (~wanted & written).nonzero().flatten().tolist()
+    return f"slots in slot_mapping left unwritten: {missed[:8]}; slots outside slot_mapping overwritten: {extra[:8]}"
+
+
+ATTENTION_CASES = {
+    "prefill": ([7], [7], 4, 4, 64),
+    "decode-gqa": ([1, 1, 1], [1, 17, 40], 8, 2, 64),
+    "ragged-chunks": ([5, 1, 16, 3], [5, 33, 50, 19], 6, 2, 128),
+    "verify-long-mqa": ([3, 1], [300, 129], 4, 1, 32),
+}
+
+
+def paged_inputs(s: Setup, query_lens, context_lens, kv_heads, head_dim, bs, dtype):
+    """Caches with shuffled block tables; every slot not inside a context stays NaN (a kernel must not read it)."""
+    blocks_each = [-(-c // bs) for c in context_lens]
+    num_blocks = sum(blocks_each) + 3
+    order = torch.randperm(num_blocks, generator=s.gen).tolist()
+    tables = torch.full((len(context_lens), max(blocks_each)), -1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, bs, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    slots = []
+    for i, (q_len, ctx) in enumerate(zip(query_lens, context_lens)):
+        mine = [order.pop() for _ in range(blocks_each[i])]
+        tables[i, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        seq_slots = torch.tensor([mine[p // bs] * bs + p % bs for p in range(ctx)])
+        k_cache.view(-1, kv_heads, head_dim)[seq_slots] = s.randn(ctx, kv_heads, head_dim).to(dtype)
+        v_cache.view(-1, kv_heads, head_dim)[seq_slots] = s.randn(ctx, kv_heads, head_dim).to(dtype)
+        slots += seq_slots[ctx - q_len :].tolist()
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start=torch.tensor(starts, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=tables,
+        max_query_len=max(query_lens), max_context_len=max(context_lens),
+        query_lens_host=tuple(query_lens), context_lens_host=tuple(context_lens))
+    return k_cache, v_cache, meta
+
+
+def meta_to(meta: AttentionMetadata, device) -> AttentionMetadata:
+    moved = {f: getattr(meta, f).to(device) for f in ("slot_mapping", "query_start", "context_lens", "block_tables")}
+    return AttentionMetadata(**moved, max_query_len=meta.max_query_len, max_context_len=meta.max_context_len,
+                             query_lens_host=meta.query_lens_host, context_lens_host=meta.context_lens_host)
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention(backend, conformance, precision, seed, case):
+    s = Setup(backend, precision, seed, f"attention{case}")
+    query_lens, context_lens, heads, kv_heads, head_dim = ATTENTION_CASES[case]
+    for dtype in kv_dtypes(backend, s):
+        k_cache, v_cache, meta = paged_inputs(s, query_lens, context_lens, kv_heads, head_dim, block_size(backend), dtype)
+        q = s.randn(sum(query_lens), heads, head_dim)
+        scale = head_dim**-0.5
+        s.poison(q.shape)
+        out = s.kernels.attention(s.on_device(q), s.on_device(k_cache), s.on_device(v_cache), meta_to(meta, s.device), scale)
+        ref = REF.attention(q.double(), k_cache.double(), v_cache.double(), meta, scale)
+        record(conformance, "attention", precision, out, ref, f"cache {str(dtype).removeprefix('torch.')}")
+
+
+LINEAR_SHAPES = [(1, 128, 96, False), (7, 256, 320, True), (33, 128, 200, False)]
+
+
+def linear_weights(precision: str, w: torch.Tensor) -> dict[str, object]:
+    """The stored forms of one weight that `precision` covers: every FP8 scale layout, several INT4 groupings."""
+    if precision in FP8_MAX:
+        return {"per-channel": fp8_quantize(w, precision, per_channel=True),
+                "per-tensor": fp8_quantize(w, precision, per_channel=False)}
+    if precision == "int4":
+        return {"g32-sym": int4_quantize(w, 32, symmetric=True), "g128-asym": int4_quantize(w, 128, symmetric=False)}
+    return {"dense": PRECISIONS[precision].quantize(w)}
+
+
+@pytest.mark.parametrize("tokens,k,n,bias", LINEAR_SHAPES, ids=lambda v: str(v))
+def test_linear(backend, conformance, precision, seed, tokens, k, n, bias):
+    s = Setup(backend, precision, seed, f"linear{tokens}{k}{n}")
+    x = s.randn(tokens, k)
+    if tokens > 4:
+        x[3] = float("nan")  # a NaN token row stays a NaN row and leaks nowhere else
+    b = s.randn(n, std=0.5) if bias else None
+    for label, w in linear_weights(precision, torch.randn(n, k, generator=s.gen) * 0.05).items():
+        s.poison((tokens, n))
+        out = s.kernels.linear(s.on_device(x), w.to(s.device), None if b is None else s.on_device(b))
+        ref = REF.linear(x.double(), w, None if b is None else b.double())
+        record(conformance, "linear", precision, out, ref, label)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-e4m3", "fp8-e5m2"])
+def test_linear_fp8_activation_range(backend, conformance, seed, fmt):
+    """Activations far beyond the FP8 range: a backend must scale them, never overflow its FP8 cast to inf."""
+    if fmt not in backend.precisions:
+        pytest.skip(f"backend '{backend.name}' does not declare {fmt}")
+    s = Setup(backend, fmt, seed, f"linear-range{fmt}")
+    amax = 6e4 if s.dtype == torch.float16 else 1e5
+    x = s.randn(9, 128)
+    x = (x / x.abs().amax(dim=1, keepdim=True) * amax).to(s.dtype)
+    w = fp8_quantize(torch.randn(64, 128, generator=s.gen) * 0.05, fmt)
+    s.poison((9, 64))
+    out = s.kernels.linear(s.on_device(x), w.to(s.device))
+    record(conformance, "linear", fmt, out, REF.linear(x.double(), w), f"activations ±{amax:g}")
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (9, 260), (33, 3072)], ids=lambda s: "x".join(map(str, s)))
+def test_silu_and_mul(backend, conformance, precision, seed, shape):
+    s = Setup(backend, precision, seed, f"silu{shape}")
+    x = s.randn(*shape, std=2.0)
+    if shape == (9, 260):
+        x[1, 3] = float("nan")  # gate NaN -> NaN
+        x[4, 130 + 8] = float("inf")  # up +inf -> ±inf with the sign of silu(gate)
+    s.poison((shape[0], shape[1] // 2))
+    out = s.kernels.silu_and_mul(s.on_device(x))
+    record(conformance, "silu_and_mul", precision, out, REF.silu_and_mul(x.double()))
+
+
+def sampling(rows: int, device, temperature=0.0, top_k=0, top_p=1.0, seeds=None) -> SamplingTensors:
+    seeds = torch.arange(rows, dtype=torch.int64) * 7919 + 17 if seeds is None else seeds
+    return SamplingTensors(
+        temperature=torch.full((rows,), temperature, dtype=torch.float32, device=device),
+        top_k=torch.full((rows,), top_k, dtype=torch.int64, device=device),
+        top_p=torch.full((rows,), top_p, dtype=torch.float32, device=device),
+        noise_seed=seeds.to(device), all_greedy=temperature == 0)
+
+
+def test_sample(backend, conformance, seed):
+    p = backend.default_precision
+    s = Setup(backend, p, seed, "sample")
+    dev, kernels = s.device, s.kernels
+    logits = torch.randn(64, 1000, generator=s.gen) * 3
+    greedy = kernels.sample(logits.to(dev), sampling(64, dev)).cpu()
+    mixed = sampling(64, dev, temperature=0.8)
+    mixed.temperature[::2] = 0.0  # greedy rows inside a sampled batch
+    in_mixed = kernels.sample(logits.to(dev), mixed).cpu()
+    want = logits.argmax(-1)
+    wrong = int((greedy != want).sum() + (in_mixed[::2] != want[::2]).sum())
+    conformance.expect(wrong == 0, p, "greedy", f"{wrong} greedy rows are not the argmax")
+
+    # Distribution: 4000 rows of the same logits; frequencies must follow softmax(logits / T).
+    small = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    rows = 4000
+    drawn = kernels.sample(small.repeat(rows, 1).to(dev), sampling(rows, dev, temperature=0.7)).cpu()
+    freq = torch.bincount(drawn, minlength=8).double() / rows
+    tv = 0.5 * float((freq - torch.softmax(small.double() / 0.7, -1)).abs().sum())
+    conformance.check("sample_tv", p, tv, "temperature 0.7")
+
+    again = kernels.sample(small.repeat(rows, 1).to(dev), sampling(rows, dev, temperature=0.7)).cpu()
+    conformance.expect(bool((again == drawn).all()), p, "same seeds same tokens", "sampling is not a function of the seeds")
+    last_seeds = sampling(rows, "cpu").noise_seed[-100:]
+    part = kernels.sample(small.repeat(100, 1).to(dev), sampling(100, dev, temperature=0.7, seeds=last_seeds)).cpu()
+    conformance.expect(bool((part == drawn[-100:]).all()), p, "batch independent",
+                       "a row's sample changes with the other rows in the batch")
+
+    top = kernels.sample(logits.to(dev), sampling(64, dev, temperature=1.5, top_k=3)).cpu()
+    outside = int((~(logits.topk(3, dim=-1).indices == top.unsqueeze(1)).any(-1)).sum())
+    conformance.expect(outside == 0, p, "top_k 3", f"{outside} of 64 samples fall outside the top 3")
+    nucleus = kernels.sample(logits.to(dev), sampling(64, dev, temperature=1.0, top_p=0.6)).cpu()
+    probs = torch.softmax(logits.double(), -1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < 0.6 + 1e-6
+    keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    outside = int((~keep.gather(1, nucleus.unsqueeze(1))).sum())
+    conformance.expect(outside == 0, p, "top_p 0.6", f"{outside} of 64 samples fall outside the 0.6 nucleus")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# precision validity (core formats every backend reads)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-e4m3", "fp8-e5m2"])
+def test_fp8_format(backend, conformance, fmt):
+    fmax, dtype = FP8_MAX[fmt], FP8_DTYPES[fmt]
+    exact = torch.tensor([0.5, -1.0, 1.75, 3.0, -fmax, fmax, 2.0**-6])
+    conformance.expect(bool((exact.to(dtype).float() == exact).all()), fmt, "round trip",
+                       f"representable values do not survive a {fmt} round trip")
+    tiny = 2.0**-9 if fmt == "fp8-e4m3" else 2.0**-16  # the smallest subnormal
+    conformance.expect(float(torch.tensor([tiny]).to(dtype).float()) == tiny, fmt, "subnormal",
+                       f"the smallest {fmt} subnormal {tiny:g} is flushed")
+
+    w = torch.randn(16, 64) * 1e3
+    w[2, 5] = 5e30  # finite, far beyond the range
+    q = fp8_quantize(w, fmt, per_channel=True)
+    data = q.data.float()
+    conformance.expect(bool(torch.isfinite(data).all()), fmt, "finite from finite", "finite input produced inf/NaN")
+    conformance.expect(float(data.abs().amax(1).min()) == fmax, fmt, "saturation at ±max",
+                       f"each row's amax must land on ±{fmax:g}, got {data.abs().amax(1).tolist()[:4]}")
+    amax = w.abs().amax(1, keepdim=True)
+    conformance.expect(torch.allclose(q.scale, amax / fmax, rtol=1e-6), fmt, "scale from amax", "scale != amax / max")
+    back = q.dequantize()
+    rel = float(((back - w).abs() / w.abs().clamp_min(float(q.scale.max()) * 2.0**-9)).amax())
+    step = 2.0**-3 if fmt == "fp8-e4m3" else 2.0**-2
+    conformance.expect(rel <= step, fmt, "round-trip error", f"relative error {rel:.3g} exceeds half a step")
+
+    x = torch.tensor([[1.0, float("nan"), -2.0, float("inf"), 3e38]])
+    data, scale = fp8_quantize_per_token(x, fmt)
+    vals = (data.float() * scale)[0]
+    conformance.expect(bool(torch.isnan(vals[1])) and bool(torch.isfinite(vals[[0, 2, 4]]).all()), fmt,
+                       "NaN propagates alone", f"expected NaN only at index 1, got {vals.tolist()}")
+    conformance.expect(float(vals[3]) > 0, fmt, "inf saturates", f"+inf must saturate to +max, got {float(vals[3])}")
+
+
+def test_weight_validator(backend, conformance):
+    good = fp8_quantize(torch.randn(8, 32), "fp8-e4m3")
+    cases = {
+        "NaN in fp8 data": Fp8Weight(good.data.clone().view(torch.uint8).index_fill_(1, torch.tensor([3]), 0x7F)
+                                     .view(torch.float8_e4m3fn), good.scale),
+        "zero fp8 scale": Fp8Weight(good.data, torch.zeros_like(good.scale)),
+        "inf fp8 scale": Fp8Weight(good.data, torch.full_like(good.scale, float("inf"))),
+        "inf dense": torch.tensor([[1.0, float("inf")]]),
+        "NaN int4 scale": Int4Weight(good.data.view(torch.uint8)[:, :16].clone(), torch.full((8, 1), float("nan")),
+                                     torch.zeros(8, 1), 32),
+        "dense beyond e4m3 for an unscaled cast": torch.tensor([[500.0, 1.0]]),
+    }
+    conformance.expect(_validates(good, "fp8-e4m3"), "fp8-e4m3", "valid weight accepted", "a valid FP8 weight was refused")
+    for label, w in cases.items():
+        fmt = "fp8-e4m3" if "e4m3" in label else None
+        conformance.expect(not _validates(w, fmt), "fp8-e4m3", f"refuses {label}", f"validate_weight accepted {label}")
+
+
+def _validates(w, fmt) -> bool:
+    try:
+        validate_weight("w", w, fmt)
+        return True
+    except UserError:
+        return False
+
+
+def test_int4_format(backend, conformance, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (4, 64), generator=g, dtype=torch.uint8)
+    q[0, :16] = torch.arange(16, dtype=torch.uint8)
+    conformance.expect(torch.equal(unpack_int4(pack_int4(q)), q), "int4", "pack/unpack exact", "unpack(pack(q)) != q")
+    w = torch.randn(48, 256, generator=g)
+    for group in (32, 64, 128):
+        for symmetric in (True, False):
+            qw = int4_quantize(w, group, symmetric)
+            err = (qw.dequantize() - w).abs().view(48, -1, group)
+            half_step = qw.scales.unsqueeze(-1) / 2 * (1 + 1e-5)
+            worst = float((err / half_step).amax())
+            conformance.expect(worst <= 1.0, "int4", f"g{group}-{'sym' if symmetric else 'asym'} error bound",
+                               f"error reaches {worst:.3g} half-steps (bound: 1)")
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
+def test_gguf_q4(backend, conformance, seed, ggml_type):
+    """GGUF blocks decoded by int4_from_gguf equal the gguf package's own dequantization bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = getattr(GGMLQuantizationType, ggml_type)
+    w = (torch.randn(6, 96, generator=torch.Generator().manual_seed(seed)) * 0.3).numpy()
+    raw = quants.quantize(w, qtype)
+    want = torch.from_numpy(np.asarray(quants.dequantize(raw, qtype), dtype=np.float32))
+    got = int4_from_gguf(raw, ggml_type, (6, 96)).dequantize()
+    diff = float((got - want).abs().max())
+    conformance.expect(diff == 0.0, "int4", f"{ggml_type} decode", f"decoded values differ from gguf's by up to {diff:g}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engine: precision honesty (the FP8 three-step check, and its INT4 twin) and invariants
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return harness.tiny_model()
+
+
+@pytest.fixture(scope="session")
+def reference_logits(tiny):
+    """Prompt logits of the reference engine per precision, computed once."""
+    cache = {}
+    ref = harness.ReferenceBackend()
+
+    def get(precision: str) -> torch.Tensor:
+        if precision not in cache:
+            engine = harness.make_engine(ref, tiny, precision, **harness.plain_profile())
+            cache[precision] = torch.cat([harness.prompt_logits(engine, p) for p in harness.tiny_prompts(2, 1)])
+        return cache[precision]
+
+    return get
+
+
+def _nmse(a, b) -> float:
+    return compare(a, b).nmse
+
+
+def test_engine_precision(backend, conformance, precision, tiny, reference_logits):
+    """Declared precisions must run, store weights in that format, and produce logits of that precision."""
+    engine = harness.make_engine(backend, tiny, precision, **harness.plain_profile())
+    conformance.expect(engine.precision.name == precision, precision, "engine precision",
+                       f"asked for {precision}, the engine runs {engine.precision.name}")
+    stored = _stored_weight_problem(engine.model, precision)
+    conformance.expect(stored is None, precision, "weights stored and valid", stored or "")
+    logits = torch.cat([harness.prompt_logits(engine, p) for p in harness.tiny_prompts(2, 1)])
+    want, fp32 = reference_logits(precision), reference_logits("fp32")
+    c = compare(logits, want)
+    conformance.check("engine_logits", precision, c.nmse, "vs reference", detail=c.where, fault=c.fault)
+    if precision in QUANTIZED:
+        own, expected = _nmse(logits, fp32), _nmse(want, fp32)
+        conformance.check("quantized_path_used", precision, own / expected, "vs fp32 model",
+                          detail=f"the logits are {own:.2g} from the fp32 model's while {precision} weights put them "
+                                 f"{expected:.2g} away: the backend computes with full-precision weights, not {precision}")
+    conformance.check("logits_vs_fp32", precision, _nmse(logits, fp32), "end to end")
+
+
+def _stored_weight_problem(model, precision: str) -> str | None:
+    kind = {"int4": Int4Weight, "fp8-e4m3": Fp8Weight, "fp8-e5m2": Fp8Weight}.get(precision, torch.Tensor)
+    for i, layer in enumerate(model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            where = f"layer {i} {name}"
+            if not isinstance(w, kind):
+                return f"{where} is stored as {type(w).__name__}, not {kind.__name__}"
+            if isinstance(w, torch.Tensor) and w.dtype != PRECISIONS[precision].storage_dtype:
+                return f"{where} is stored as {w.dtype}, not {PRECISIONS[precision].storage_dtype}"
+            try:
+                validate_weight(where, w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(),
+                                precision if precision in FP8_MAX else None)
+            except UserError as exc:
+                return str(exc)
+    return None
+
+
+def test_undeclared_precision_refused(backend, conformance, undeclared, tiny):
+    try:
+        harness.make_engine(backend, tiny, undeclared)
+    except UserError as exc:
+        conformance.expect(undeclared in str(exc), undeclared, "clear error",
+                           f"the refusal does not name the precision: {exc}")
+        return
+    conformance.expect(False, undeclared, "refused", f"precision {undeclared} is not declared but the engine accepted it")
+
+
+@pytest.fixture(scope="session")
+def invariant_precision(backend) -> str:
+    """fp32 where declared: invariants compare token streams, and fp32 keeps rounding far below logit margins."""
+    return "fp32" if "fp32" in backend.precisions else backend.default_precision
+
+
+def _greedy(engine, prompts, max_tokens=12):
+    return harness.outputs(harness.run_requests(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+FEATURE_SETTINGS = {
+    "chunked_prefill": {"chunked_prefill": True, "max_num_batched_tokens": 16},
+    "cuda_graphs": {"cuda_graphs": True},
+    "spec_decode": {"spec": "ngram", "spec_tokens": 4},
+}
+FEATURE_WORD = {"chunked_prefill": "chunked_prefill", "cuda_graphs": "cuda_graphs", "spec_decode": "spec"}
+
+
+def _feature_prompts(feature: str) -> list[list[int]]:
+    if feature == "spec_decode":  # repeated motifs give the n-gram drafter something to propose
+        return [(m * 6)[:n] for m, n in zip(harness.tiny_prompts(3, 7, lengths=(5, 3, 7)), (30, 21, 40))]
+    return harness.tiny_prompts(5, 3)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_feature(backend, conformance, invariant_precision, tiny, feature):
+    """A declared optimization must not change greedy output; an undeclared one must be refused clearly."""
+    p = invariant_precision
+    settings = harness.plain_profile() | FEATURE_SETTINGS[feature]
+    if not backend.features.get(feature):
+        try:
+            harness.make_engine(backend, tiny, p, **settings)
+        except UserError as exc:
+            conformance.expect(FEATURE_WORD[feature] in str(exc), p, "refused clearly",
+                               f"the refusal does not name {feature}: {exc}")
+            return
+        conformance.expect(False, p, "refused", f"{feature} is not declared but the engine accepted it")
+        return
+    prompts = _feature_prompts(feature)
+    fast = harness.make_engine(backend, tiny, p, **settings)
+    with_feature = _greedy(fast, prompts, 24)
+    plain = _greedy(harness.make_engine(backend, tiny, p, **harness.plain_profile()), prompts, 24)
+    wrong, where = harness.mismatches(with_feature, plain)
+    conformance.expect(wrong == 0, p, f"{feature} == plain greedy", f"{wrong} tokens differ; {where}")
+    if feature == "chunked_prefill":
+        conformance.expect(fast.scheduler.prefill_chunks > 0, p, "prompts were chunked",
+                           "no prompt was split: the comparison proved nothing")
+
+
+def test_prefix_cache_hit_equals_miss(backend, conformance, invariant_precision, tiny):
+    p = invariant_precision
+    shared = harness.tiny_prompts(1, 11, lengths=(40,))[0]
+    prompts = [shared + [5, 9], shared + [77], shared + [5, 9]]
+    cached = harness.make_engine(backend, tiny, p, **harness.plain_profile(), prefix_caching=True)
+    seqs = [harness.run_requests(cached, [q], SamplingParams(max_tokens=12, ignore_eos=True))[0] for q in prompts]
+    hits = [s.num_cached_prefix for s in seqs]
+    conformance.expect(hits[1] > 0 and hits[2] > 0, p, "prefix cache hit", f"cached prefix tokens per request: {hits}")
+    uncached = harness.make_engine(backend, tiny, p, **harness.plain_profile(), prefix_caching=False)
+    wrong, where = harness.mismatches(harness.outputs(seqs), _greedy(uncached, prompts))
+    conformance.expect(wrong == 0, p, "hit == miss", f"{wrong} tokens differ; {where}")
+
+
+def test_batch_invariance(backend, conformance, invariant_precision, tiny):
+    p = invariant_precision
+    engine = harness.make_engine(backend, tiny, p, **harness.plain_profile())
+    prompts = harness.tiny_prompts(6, 5)
+    alone = [_greedy(engine, [q])[0] for q in prompts]
+    wrong, where = harness.mismatches(_greedy(engine, prompts), alone)
+    conformance.expect(wrong == 0, p, "batched == alone", f"{wrong} tokens differ; {where}")
+
+
+def test_seeded_determinism(backend, conformance, invariant_precision, tiny):
+    p = invariant_precision
+    engine = harness.make_engine(backend, tiny, p, **harness.plain_profile())
+    prompts = harness.tiny_prompts(4, 9)
+
+    def sample(seed_base: int, batch: bool):
+        params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed_base + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        if batch:
+            seqs = [engine.add_request(q, sp) for q, sp in zip(prompts, params)]
+            while engine.has_work():
+                engine.step()
+            return harness.outputs(seqs)
+        return [harness.outputs(harness.run_requests(engine, [q], sp))[0] for q, sp in zip(prompts, params)]
+
+    first = sample(100, batch=True)
+    wrong, where = harness.mismatches(first, sample(100, batch=True))
+    conformance.expect(wrong == 0, p, "same seed same tokens", f"{wrong} tokens differ; {where}")
+    wrong, where = harness.mismatches(first, sample(100, batch=False))
+    conformance.expect(wrong == 0, p, "seeded batch == alone", f"{wrong} tokens differ; {where}")
+    same, _ = harness.mismatches(first, sample(500, batch=True))
+    conformance.expect(same > 0, p, "other seed other tokens", "changing every seed changed no token")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end on the default model, vs the CPU backend (slow)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    from flashnext.core.loader import load_model
+
+    return load_model(None)
+
+
+def _cpu_backend():
+    from flashnext.core import registry
+
+    return registry.select(registry.discover(), "cpu").backend
+
+
+@pytest.mark.slow
+def test_e2e_default_model(backend, conformance, default_model):
+    if backend.name == "cpu":
+        pytest.skip("the CPU backend is the reference the end-to-end cases compare with")
+    p = backend.default_precision
+    tok = default_model.tokenizer
+    engines = {name: harness.make_engine(b, default_model, prec, **harness.plain_profile(), max_model_len=1024,
+                                         max_num_batched_tokens=1024, kv_cache_max_gib=0.25)
+               for name, b, prec in (("backend", backend, p), ("cpu", _cpu_backend(), "fp32"))}
+    prompts = [tok.encode(t) for t in GREEDY_PROMPTS]
+    ours, cpu = (_greedy(engines[n], prompts, 24) for n in ("backend", "cpu"))
+    prefix = min(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, cpu))
+    conformance.check("e2e_greedy_prefix", p, prefix, "greedy vs cpu",
+                      detail=f"first difference: {harness.mismatches(ours, cpu)[1]}")
+    ids = tok.encode(SHAKESPEARE)
+    ppl = {n: _perplexity(harness.prompt_logits(engines[n], ids), ids) for n in engines}
+    rel = abs(ppl["backend"] - ppl["cpu"]) / ppl["cpu"]
+    conformance.check("e2e_perplexity", p, rel, "shakespeare",
+                      detail=f"perplexity {ppl['backend']:.3f} vs cpu {ppl['cpu']:.3f}")
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = F.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
+    return math.exp(float(nll))

@@ -1,0 +1,76 @@
+"""Every numeric bound of the conformance suite, in one table (rendered into docs/conformance.md).
+
+Op bounds are NMSE = mse(out, ref) / mse(ref, 0) against the core reference run in float64 on the same (already
+rounded) inputs, so they measure only what the backend's kernel adds. Columns for fp8 / int4 assume bf16 activations
+(the precision's suggested activation dtype) and allow dynamic per-token activation quantization in FP8 linears.
+"""
+
+from dataclasses import dataclass
+
+PRECISION_NAMES = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
+
+
+@dataclass(frozen=True)
+class Bound:
+    metric: str
+    at_most: bool  # True: value <= bound passes; False: value >= bound passes
+    by_precision: dict[str, float]
+    why: str
+
+    def limit(self, precision: str) -> float:
+        return self.by_precision[precision]
+
+    def passes(self, value: float, precision: str) -> bool:
+        limit = self.limit(precision)
+        if value != value:  # NaN never passes
+            return False
+        return value <= limit if self.at_most else value >= limit
+
+
+def _row(fp32, bf16, fp16, e4m3, e5m2, int4) -> dict[str, float]:
+    return dict(zip(PRECISION_NAMES, (fp32, bf16, fp16, e4m3, e5m2, int4)))
+
+
+EXACT = _row(0, 0, 0, 0, 0, 0)
+ELEMENTWISE = _row(1e-10, 3e-5, 1e-6, 3e-5, 3e-5, 3e-5)  # one rounding of the output to the activation dtype
+
+THRESHOLDS: dict[str, Bound] = {
+    "embedding": Bound("nmse", True, EXACT, "a row copy: nothing to round"),
+    "rmsnorm": Bound("nmse", True, ELEMENTWISE, "fp32 statistics, one output rounding"),
+    "add_rmsnorm": Bound("nmse", True, ELEMENTWISE, "both outputs (normed, residual sum) are checked"),
+    "rope": Bound("nmse", True, ELEMENTWISE, "fp32 rotation, one output rounding"),
+    "silu_and_mul": Bound("nmse", True, ELEMENTWISE, "one output rounding"),
+    "store_kv": Bound("nmse", True, EXACT, "a cast into the cache dtype; slots outside slot_mapping must stay untouched"),
+    "attention": Bound("nmse", True, _row(1e-9, 2e-4, 2e-5, 2e-4, 2e-4, 2e-4),
+                       "blocked softmax; bf16 kernels may round the probabilities once"),
+    "linear": Bound("nmse", True, _row(1e-8, 1e-4, 1e-5, 5e-3, 2e-2, 1e-4),
+                    "vs the dequantized weight; fp32 excludes TF32, fp8 allows per-token fp8 activations"),
+    "sample_tv": Bound("total variation", True, _row(*[0.06] * 6),
+                       "seeded sampling frequencies over 4000 rows vs softmax(logits / T)"),
+    "engine_logits": Bound("nmse", True, _row(1e-8, 2e-3, 2e-4, 3e-2, 8e-2, 2e-3),
+                           "tiny model's prompt logits vs the reference engine with the same quantized weights"),
+    "quantized_path_used": Bound("nmse ratio", False, _row(0, 0, 0, 0.25, 0.25, 0.25),
+                                 "distance to the fp32 model / the quantized reference's distance to it:"
+                                 " near 0 means the backend silently kept full-precision weights"),
+    "logits_vs_fp32": Bound("nmse", True, _row(1e-8, 5e-3, 5e-4, 5e-2, 2e-1, 5e-2),
+                            "the end-to-end effect of the precision on the tiny model's logits"),
+    "e2e_greedy_prefix": Bound("tokens", False, _row(24, 8, 8, 4, 4, 8),
+                               "shortest common prefix of 24 greedy tokens vs the CPU backend (default model)"),
+    "e2e_perplexity": Bound("relative difference", True, _row(0.005, 0.02, 0.01, 0.05, 0.1, 0.02),
+                            "perplexity of a fixed Shakespeare passage vs the CPU backend (default model)"),
+}
+
+
+def bound(key: str) -> Bound:
+    return THRESHOLDS[key]
+
+
+def render_markdown() -> str:
+    """The threshold table as markdown; docs/conformance.md embeds this text (a test keeps them equal)."""
+    head = "| case | metric | pass when | " + " | ".join(PRECISION_NAMES) + " | why |"
+    rule = "| --- " * (len(PRECISION_NAMES) + 4) + "|"
+    rows = [head, rule]
+    for key, b in THRESHOLDS.items():
+        cells = " | ".join(f"{b.limit(p):g}" for p in PRECISION_NAMES)
+        rows.append(f"| `{key}` | {b.metric} | {'≤' if b.at_most else '≥'} | {cells} | {b.why} |")
+    return "\n".join(rows) + "\n"

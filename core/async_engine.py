@@ -1,0 +1,202 @@
+"""The engine on a thread of its own, its tokens handed to asyncio consumers.
+
+The engine is single-threaded: only the engine thread calls add_request / step / abort. The event loop sends it
+commands through a queue ("add", "abort", "stop"); the thread sends each request's new tokens back to that
+request's asyncio queue with `call_soon_threadsafe`. Between steps the thread drains the command queue, so an
+abort frees the request's KV blocks before the next step runs.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from .engine.sequence import SamplingParams
+from .errors import FlashnextError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("flashnext.serve")
+
+
+class NotReady(FlashnextError):
+    """The server is starting, shutting down or its engine failed: try again later (HTTP 503)."""
+
+
+class Overloaded(FlashnextError):
+    """Every running slot and the waiting queue are taken (HTTP 429)."""
+
+
+class RequestStream:
+    """One request's tokens as they come: `async for new_ids, finish_reason in stream`.
+
+    The finish reason is None until the last item. `cancel()` stops the request and frees its blocks.
+    """
+
+    def __init__(self, owner: "AsyncEngine", prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 chunked_prefill: bool | None, spec: bool):
+        self.owner, self.prompt_ids, self.params, self.request_id = owner, prompt_ids, params, request_id
+        self.chunked_prefill, self.spec = chunked_prefill, spec
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finish_reason: str | None = None
+        self.arrived = time.perf_counter()
+        self.last_token_at: float | None = None  # engine thread only
+        self.seq = None  # engine thread only
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[list[int], str | None]:
+        if self.finish_reason is not None:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self._close("error")
+            raise item
+        new_ids, reason = item
+        if reason:
+            self._close(reason)
+        return new_ids, reason
+
+    def cancel(self, reason: str = "abort") -> None:
+        """Stop generating (client gone, or a stop string matched); `reason` is what requests_total records."""
+        if self.finish_reason is None:
+            self._close(reason)
+            self.owner.commands.put(("abort", self, reason))
+            self.queue.put_nowait(([], reason))  # wakes a consumer waiting on the next token
+
+    def _close(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.owner.active -= 1
+
+    def put(self, item) -> None:
+        """From the engine thread: hand an item to the event loop (dropped if that loop is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+class AsyncEngine:
+    """Owns the engine thread. `submit` (event loop) → RequestStream; capacity: max_num_seqs + max_queue."""
+
+    def __init__(self, llm, metrics: ServerMetrics, max_queue: int):
+        self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+        self.capacity = self.engine.profile.max_num_seqs + max_queue
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.status = "starting"  # starting → ok → shutting_down (or error if the engine loop fails)
+        self.active = 0  # requests submitted and not yet finished (event loop only)
+        self.live: dict[int, RequestStream] = {}  # id(seq) → stream (engine thread only)
+        self.thread = threading.Thread(target=self._run, name="flashnext-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.status = "shutting_down"
+        self.commands.put(("stop",))
+        self.thread.join(timeout)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+               chunked_prefill: bool | None = None, spec: bool = True) -> RequestStream:
+        if self.status != "ok":
+            self.metrics.requests.labels("rejected").inc()
+            raise NotReady(f"the server is {self.status.replace('_', ' ')}; retry shortly")
+        if self.active >= self.capacity:
+            self.metrics.requests.labels("rejected").inc()
+            raise Overloaded(
+                f"the server is at capacity ({self.active} requests: {self.engine.profile.max_num_seqs} running"
+                f" slots + {self.capacity - self.engine.profile.max_num_seqs} queued); retry later"
+            )
+        stream = RequestStream(self, prompt_ids, params, request_id, chunked_prefill, spec)
+        self.active += 1
+        self.commands.put(("add", stream))
+        return stream
+
+    # -- engine thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._warm_up()
+            if self.status == "starting":
+                self.status = "ok"
+            while self._serve_commands(block=not self.engine.has_work()):
+                if self.engine.has_work():
+                    self._deliver(self.engine.step())
+        except Exception as exc:  # a broken engine fails its requests instead of hanging them
+            log.exception("the engine loop failed")
+            self.status = "error"
+            for stream in self.live.values():
+                stream.put(RuntimeError(f"the engine failed: {exc!r}"))
+            self.live.clear()
+            return
+        self._abort_all("the server is shutting down")
+
+    def _warm_up(self) -> None:
+        """One short generation before /health says ok: first-call allocations, kernel choices, graph capture."""
+        ids = self.llm.tokenizer.encode("Hello") or [0]
+        seq = self.engine.add_request(ids, SamplingParams(max_tokens=2, ignore_eos=True), request_id="warm-up")
+        while seq.finish_reason is None:
+            self.engine.step()
+
+    def _serve_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when idle). False once told to stop."""
+        try:
+            command = self.commands.get(block=block)
+            while True:
+                if command[0] == "stop":
+                    return False
+                self._apply(command)
+                command = self.commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _apply(self, command: tuple) -> None:
+        kind, stream = command[0], command[1]
+        if kind == "add":
+            try:
+                seq = self.engine.add_request(stream.prompt_ids, stream.params, stream.request_id,
+                                              chunked_prefill=stream.chunked_prefill)
+            except FlashnextError as exc:
+                self.metrics.requests.labels("error").inc()
+                stream.put(exc)
+                return
+            if hasattr(seq, "spec"):  # the speculative-decoding switch, where the engine has one per request
+                seq.spec = stream.spec
+            stream.seq = seq
+            self.live[id(seq)] = stream
+        elif kind == "abort" and stream.seq is not None and self.live.pop(id(stream.seq), None):
+            self.engine.abort(stream.seq)
+            self.metrics.requests.labels(command[2]).inc()
+
+    def _deliver(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self.live.get(id(out.seq))
+            if stream is None:  # the warm-up request
+                continue
+            if out.new_token_ids:
+                self._observe_latency(stream, len(out.new_token_ids), now)
+            reason = out.seq.finish_reason if out.finished else None
+            if out.finished:
+                del self.live[id(out.seq)]
+                self.metrics.requests.labels(reason).inc()
+            if out.new_token_ids or reason:
+                stream.put((out.new_token_ids, reason))
+
+    def _observe_latency(self, stream: RequestStream, num_tokens: int, now: float) -> None:
+        if stream.last_token_at is None:
+            self.metrics.ttft.observe(now - stream.arrived)
+        else:
+            gap = (now - stream.last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        stream.last_token_at = now
+
+    def _abort_all(self, message: str) -> None:
+        for stream in self.live.values():
+            self.engine.abort(stream.seq)
+            self.metrics.requests.labels("abort").inc()
+            stream.put(NotReady(message))
+        self.live.clear()

@@ -1,0 +1,63 @@
+"""Prometheus metrics for `flashnext serve` (names: shared/DESIGN.md, all prefixed `flashnext_`).
+
+Latencies and request outcomes are recorded as they happen; counters that live in the engine (preemptions, prefill
+chunks, prefix hits, graph and speculative-decoding counts) are read at scrape time, so they are never out of step.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineCollector:
+    """Reads the engine's own counters when /metrics is scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        engine = self.engine
+        runner, blocks, scheduler = engine.runner, engine.blocks, engine.scheduler
+        spec = engine.spec_stats() if hasattr(engine, "spec_stats") else {}
+        yield _counter("cuda_graph_captures", "CUDA graphs captured", getattr(runner, "graph_captures", 0))
+        yield _counter("cuda_graph_replays", "Steps run by replaying a CUDA graph", getattr(runner, "graph_replays", 0))
+        yield _counter("chunked_prefill_chunks", "Prompt pieces run while the prompt was not yet whole",
+                       scheduler.prefill_chunks)
+        yield _counter("preemptions", "Requests preempted (blocks freed, recomputed later)", scheduler.preemptions)
+        yield _counter("prefix_cache_hits", "KV blocks served from the prefix cache", blocks.prefix_hits)
+        yield _counter("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache", blocks.prefix_queries)
+        yield _counter("spec_decode_drafts", "Speculative draft rounds", spec.get("drafts", 0))
+        yield _counter("spec_decode_draft_tokens", "Tokens proposed by the drafter", spec.get("drafted", 0))
+        yield _counter("spec_decode_accepted_tokens", "Draft tokens accepted by the target model",
+                       spec.get("accepted", 0))
+        per_pos = CounterMetricFamily("flashnext_spec_decode_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position", labels=["position"])
+        for position, count in enumerate(spec.get("accepted_per_pos", [])):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
+        used = blocks.num_blocks - blocks.num_free
+        yield GaugeMetricFamily("flashnext_kv_cache_usage_ratio", "Fraction of KV blocks held by requests",
+                                value=used / blocks.num_blocks)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"flashnext_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """A registry of its own (not prometheus-client's global one), so several servers can live in one process."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("flashnext_time_to_first_token_seconds", "From arrival to the first generated token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("flashnext_inter_token_latency_seconds", "Time between a request's generated tokens",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.requests = Counter("flashnext_requests", "Requests by outcome: stop, length, abort, error, rejected",
+                                ["status"], registry=self.registry)
+        self.registry.register(EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

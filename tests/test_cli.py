@@ -1,0 +1,133 @@
+"""The `flashnext` command line: flags, JSON shapes and one-line errors (shared/DESIGN.md)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flashnext.core.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def test_backends_json_lists_cpu_available_and_cuda_with_reason():
+    result = invoke("backends", "--json")
+    assert result.exit_code == 0
+    entries = {e["name"]: e for e in json.loads(result.stdout)}
+    cpu = entries["cpu"]
+    assert cpu["available"] is True and cpu["score"] > 0
+    assert cpu["origin"].startswith("flashnext ")
+    assert set(cpu["precisions"]) == {"fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4"}
+    assert cpu["features"]["prefix_caching"] is True
+    for entry in entries.values():
+        assert {"name", "available", "score", "reason", "origin", "precisions", "features"} <= set(entry)
+    if "cuda" in entries and not entries["cuda"]["available"]:
+        assert "CUDA" in entries["cuda"]["reason"] or "GPU" in entries["cuda"]["reason"]
+
+
+def test_backends_table_mentions_every_backend():
+    result = invoke("backends")
+    assert result.exit_code == 0
+    assert "cpu" in result.stdout and "cuda" in result.stdout
+
+
+def test_run_json_has_the_contract_keys(tiny_llama):
+    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "5",
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    for key in ("text", "token_ids", "prompt_tokens", "completion_tokens", "finish_reason", "backend", "model",
+                "precision", "profile", "timing", "spec"):
+        assert key in report
+    assert report["backend"] == "cpu" and report["precision"] == "fp32"
+    assert report["completion_tokens"] == len(report["token_ids"]) <= 5
+    assert set(report["timing"]) >= {"load_s", "ttft_s", "decode_tok_s"}
+    assert set(report["spec"]) >= {"method", "drafted", "accepted"}
+    assert report["profile"]["name"] == "full"
+
+
+def test_run_reads_prompt_from_stdin_and_is_deterministic(tiny_llama):
+    args = ["run", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6", "--json"]
+    a = json.loads(invoke(*args, input="the quick brown fox").stdout)
+    b = json.loads(invoke(*args, "the quick brown fox").stdout)
+    assert a["token_ids"] == b["token_ids"] and a["prompt_tokens"] == b["prompt_tokens"] > 0
+
+
+def test_seeded_sampling_repeats_and_differs_from_other_seed(tiny_llama):
+    base = ["run", "once upon a time", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "12",
+            "--temperature", "1.5", "--json"]
+    one = json.loads(invoke(*base, "--seed", "1").stdout)["token_ids"]
+    again = json.loads(invoke(*base, "--seed", "1").stdout)["token_ids"]
+    other = json.loads(invoke(*base, "--seed", "2").stdout)["token_ids"]
+    assert one == again
+    assert one != other
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--precision", "fp7"], "unknown precision 'fp7'"),
+        (["--profile", "turbo"], "no profile 'turbo'"),
+        (["--spec", "psychic"], "spec"),
+        (["--model", "/no/such/model"], "/no/such/model"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tiny_llama, args, fragment):
+    base = ["run", "hello", "--backend", "cpu", "--model", str(tiny_llama)]
+    result = invoke(*base, *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_empty_prompt_exits_2(tiny_llama):
+    result = invoke("run", "   ", "--backend", "cpu", "--model", str(tiny_llama))
+    assert result.exit_code == 2 and "prompt is empty" in result.stderr
+
+
+def test_prompt_longer_than_context_exits_2(tiny_llama):
+    result = invoke("run", "word " * 200, "--backend", "cpu", "--model", str(tiny_llama), "--max-model-len", "32")
+    assert result.exit_code == 2
+    assert "context holds 32" in result.stderr
+
+
+def test_unavailable_backend_explains_why(tiny_llama):
+    from flashnext.core import registry
+
+    unavailable = [e for e in registry.discover() if not e.probe.available]
+    if not unavailable:
+        pytest.skip("every installed backend is available on this machine")
+    result = invoke("run", "hi", "--backend", unavailable[0].name, "--model", str(tiny_llama))
+    assert result.exit_code == 2 and "not available here" in result.stderr
+
+
+def test_explain_prints_every_probe_verdict(tiny_llama):
+    result = invoke("run", "hi", "--backend", "auto", "--model", str(tiny_llama), "--max-tokens", "2", "--explain")
+    assert result.exit_code == 0
+    assert "[chosen] cpu" in result.stderr or "[chosen]" in result.stderr
+    assert "cpu" in result.stderr
+
+
+@pytest.mark.slow
+def test_default_model_knows_the_capital_of_france():
+    """The README's promise, as a user runs it: the console script, the embedded model, greedy."""
+    env = dict(os.environ, FLASHNEXT_BACKEND="cpu")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "flashnext"), "run", "--backend", "auto", "--max-tokens", "16",
+         "The capital of France is"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "tok/s" in proc.stderr and "cpu" in proc.stderr

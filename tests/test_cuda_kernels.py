@@ -1,0 +1,167 @@
+"""CUDA backend Triton kernels against ReferenceKernels, on the CPU through Triton's interpreter (small shapes).
+
+On a CUDA machine the same tests run the compiled kernels on the GPU (TRITON_INTERPRET stays unset there).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit of the module below
+
+triton = pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+
+from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
+from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
+from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+REF, CUDA = ReferenceKernels(), CudaKernels()
+
+
+def nmse(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-30))
+
+
+def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def test_rmsnorm_and_add_rmsnorm_match_reference():
+    x, res, w = rand(5, 96), rand(5, 96), rand(96)
+    assert nmse(CUDA.rmsnorm(x, w, 1e-6), REF.rmsnorm(x, w, 1e-6)) < 1e-4
+    out, new_res = CUDA.add_rmsnorm(x, res, w, 1e-6)
+    ref_out, ref_res = REF.add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    assert nmse(out, ref_out) < 1e-4
+
+
+@pytest.mark.parametrize("silu,with_residual,rows", [(False, True, 1), (True, True, 2), (False, False, 1)])
+def test_fused_norm_gemv_matches_unfused(silu, with_residual, rows):
+    k, n = 64, 40
+    x, w_norm = rand(rows, k), rand(k)
+    res = rand(rows, k) if with_residual else None
+    w = rand(2 * n if silu else n, k, scale=0.1)
+    out, new_res = CUDA.norm_linear(x, res, w_norm, 1e-6, w, silu=silu)
+    if with_residual:
+        normed, ref_res = REF.add_rmsnorm(x, res, w_norm, 1e-6)
+    else:
+        normed, ref_res = REF.rmsnorm(x, w_norm, 1e-6), x
+    ref = REF.linear(normed, w)
+    ref = REF.silu_and_mul(ref) if silu else ref
+    assert out.shape == ref.shape
+    assert torch.equal(new_res, ref_res)
+    assert nmse(out, ref) < 1e-4
+
+
+def _paged_setup(query_lens, context_lens, heads=4, kv_heads=2, dim=32, block_size=4, kv_dtype=torch.bfloat16):
+    """A shuffled paged cache holding each sequence's context; returns q, caches and the metadata."""
+    n_blocks = sum(-(-c // block_size) for c in context_lens) + 2
+    k_cache = torch.randn(n_blocks, block_size, kv_heads, dim, device=DEV).to(kv_dtype)
+    v_cache = torch.randn(n_blocks, block_size, kv_heads, dim, device=DEV).to(kv_dtype)
+    order = torch.randperm(n_blocks).tolist()
+    tables, used = [], 0
+    for c in context_lens:
+        need = -(-c // block_size)
+        tables.append(order[used : used + need])
+        used += need
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=DEV),
+        query_start=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEV),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        query_lens_host=tuple(query_lens),
+        context_lens_host=tuple(context_lens),
+    )
+    return rand(starts[-1], heads, dim), k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([5, 1, 3], [5, 7, 11]), ([1, 1], [9, 70])])
+def test_paged_attention_matches_reference(query_lens, context_lens):
+    q, kc, vc, meta = _paged_setup(query_lens, context_lens)
+    ref = REF.attention(q, kc, vc, meta, 0.17)
+    assert nmse(CUDA.attention(q, kc, vc, meta, 0.17), ref) < 1e-4
+
+
+def test_split_kv_decode_attention_matches_reference():
+    q, kc, vc, meta = _paged_setup([1, 1, 1], [3, 40, 70])
+    ref = REF.attention(q, kc, vc, meta, 0.2)
+    assert nmse(CudaKernels(decode_splits=4).attention(q, kc, vc, meta, 0.2), ref) < 1e-4
+
+
+def test_attention_reads_fp8_e5m2_cache():
+    q, kc, vc, meta = _paged_setup([2, 1], [6, 9], kv_dtype=torch.float8_e5m2)
+    ref = REF.attention(q, kc, vc, meta, 0.2)
+    assert nmse(CUDA.attention(q, kc, vc, meta, 0.2), ref) < 1e-4
+
+
+@pytest.mark.parametrize("qk_norm,kv_dtype", [(True, torch.bfloat16), (False, torch.float8_e5m2)])
+def test_qkv_rope_store_matches_reference_ops(qk_norm, kv_dtype):
+    tokens, heads, kv_heads, dim = 3, 4, 2, 16
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim)
+    q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
+    positions = torch.tensor([0, 5, 9], device=DEV)
+    slots = torch.tensor([3, -1, 6], device=DEV)  # -1: a padded row writes nothing
+    angles = torch.outer(torch.arange(16.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    cos_sin = torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
+    shape = (2, 4, kv_heads, dim)
+    caches = [torch.zeros(shape, device=DEV).to(kv_dtype) for _ in range(4)]
+    q = CUDA.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], slots,
+                            heads, kv_heads, dim)
+    rq, rk, rv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    rq, rk, rv = rq.view(tokens, heads, dim), rk.view(tokens, kv_heads, dim), rv.view(tokens, kv_heads, dim)
+    if qk_norm:
+        rq, rk = REF.rmsnorm(rq, q_norm, 1e-6), REF.rmsnorm(rk, k_norm, 1e-6)
+    rq, rk = REF.rope(rq, rk, positions, cos_sin)
+    REF.store_kv(rk, rv, caches[2], caches[3], slots)
+    assert nmse(q, rq) < 1e-4
+    assert torch.equal(caches[0].float(), caches[2].float())
+    assert torch.equal(caches[1].float(), caches[3].float())
+
+
+def test_store_kv_and_silu_and_mul_match_reference():
+    k, v = rand(3, 2, 8), rand(3, 2, 8)
+    slots = torch.tensor([5, -1, 0], device=DEV)
+    ours = [torch.zeros(2, 4, 2, 8, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    ref = [torch.zeros(2, 4, 2, 8, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    CUDA.store_kv(k, v, *ours, slots)
+    REF.store_kv(k, v, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    x = rand(3, 2 * 40)
+    assert nmse(CUDA.silu_and_mul(x), REF.silu_and_mul(x)) < 1e-4
+
+
+@pytest.mark.parametrize("group_size,rows", [(32, 1), (128, 5)])
+def test_int4_gemm_matches_dequantized_reference(group_size, rows):
+    w = int4_quantize(torch.randn(48, 256), group_size=group_size, symmetric=group_size == 128).to(DEV)
+    x = rand(rows, 256)
+    assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 1e-4
+
+
+def test_fp8_row_quantization_matches_reference_scales():
+    from flashnext.core.precision import fp8_quantize_per_token
+
+    x = rand(4, 64, scale=3.0)
+    q, scale = CUDA.fp8_quantize_rows(x)
+    ref_q, ref_scale = fp8_quantize_per_token(x)
+    assert torch.allclose(scale, ref_scale, rtol=1e-6)
+    assert torch.equal(q.float(), ref_q.float())
+
+
+@pytest.mark.gpu
+def test_fp8_scaled_mm_linear_close_to_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("torch._scaled_mm needs an FP8 GPU")
+    w = fp8_quantize(torch.randn(64, 128)).to(DEV)
+    x = rand(3, 128)
+    assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 2e-3

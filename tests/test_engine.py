@@ -1,0 +1,198 @@
+"""Engine equivalences on tiny random models (fp32, CPU backend).
+
+Chunked prefill, prefix-cache hits and batching change how a prompt's tokens are grouped into steps, never the
+numbers: every position's logits match an unchunked prefill, and greedy outputs are identical.
+"""
+
+import random
+
+import pytest
+import torch
+
+from fixtures import write_tiny_hf_model
+from flashnext.core.engine.engine import GIB, LLMEngine
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.loader import load_model
+from flashnext.plugins.cpu import CpuBackend
+
+BS = 4
+CHUNKS = (1, 7, 16, 64)
+PROMPT_LENS = (5, 37, 100, 150)  # ragged against every chunk size: 150 = 2*64 + 22 = 21*7 + 3 = 9*16 + 6
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory):
+    return load_model(write_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param))
+
+
+def kv_gib(loaded, num_blocks: int) -> float:
+    """A KV budget of exactly `num_blocks` fp32 blocks."""
+    cfg = loaded.config
+    block_bytes = 2 * cfg.num_layers * BS * cfg.num_kv_heads * cfg.head_dim * 4
+    return (num_blocks + 0.5) * block_bytes / GIB
+
+
+def engine_for(loaded, **overrides) -> LLMEngine:
+    backend = CpuBackend()
+    settings = dict(block_size=BS, max_num_batched_tokens=64, kv_cache_max_gib=kv_gib(loaded, 4096))
+    profile = backend.profiles()["full"].overridden(**(settings | overrides))
+    return LLMEngine(backend, loaded, "fp32", profile)
+
+
+def prompts(loaded, lens=PROMPT_LENS, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = loaded.config.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def prefill_logits(engine: LLMEngine, prompt: list[int], chunk: int) -> tuple[int, torch.Tensor]:
+    """Logits of every computed prompt position, prefilled in `chunk`-token steps through the engine's own
+    block manager, runner and model. Returns (first computed position, logits [positions, vocab])."""
+    seq = Sequence(list(prompt), SamplingParams())
+    assert engine.blocks.admit(seq)
+    start, rows = seq.num_computed, []
+    while seq.num_computed < len(seq):
+        n = min(chunk, len(seq) - seq.num_computed)
+        engine.blocks.grow(seq, seq.num_computed + n)
+        inputs = engine.runner.prepare([ScheduledSeq(seq, n, n)])
+        rows.append(engine.model.compute_logits(engine.runner.forward(inputs)))
+        seq.num_computed += n
+        engine.blocks.commit_full_blocks(seq)
+    engine.blocks.free_sequence(seq)
+    return start, torch.cat(rows)
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor):
+    assert got.shape == want.shape
+    nmse = ((got - want).pow(2).mean() / want.pow(2).mean()).item()
+    assert nmse <= 1e-10, nmse
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def greedy(engine: LLMEngine, batch: list[list[int]], max_tokens=12, **params) -> list[list[int]]:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
+    seqs = [engine.add_request(p, sampling) for p in batch]
+    while engine.has_work():
+        engine.step()
+    assert all(s.finish_reason == "length" for s in seqs)
+    return [s.output_ids for s in seqs]
+
+
+def test_chunked_prefill_logits_match_unchunked_at_every_position(tiny):
+    engine = engine_for(tiny, prefix_caching=False)
+    for prompt in prompts(tiny):
+        start, whole = prefill_logits(engine, prompt, len(prompt))
+        assert start == 0 and whole.shape[0] == len(prompt)
+        for chunk in CHUNKS:
+            assert_same_logits(prefill_logits(engine, prompt, chunk)[1], whole)
+
+
+def test_chunked_prefill_greedy_outputs_match_unchunked(tiny):
+    batch = prompts(tiny)
+    want = greedy(engine_for(tiny, chunked_prefill=False, prefix_caching=False), batch)
+    for chunk in CHUNKS:
+        engine = engine_for(tiny, prefix_caching=False)
+        engine.scheduler.max_num_batched_tokens = chunk  # below the profile's floor of 16: the scheduler allows it
+        assert greedy(engine, batch) == want, f"chunk {chunk}"
+        assert engine.scheduler.prefill_chunks > 0
+
+
+def test_scheduler_feeds_budget_sized_chunks_with_a_ragged_last_one(tiny):
+    engine = engine_for(tiny, max_num_batched_tokens=16)
+    schedule, sizes = engine.scheduler.schedule, []
+
+    def recording_schedule():
+        batch = schedule()
+        sizes.append([item.num_tokens for item in batch])
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    greedy(engine, prompts(tiny, lens=[150]), max_tokens=2)
+    assert sizes == [[16]] * 9 + [[6], [1]]
+    assert engine.scheduler.prefill_chunks == 10
+
+
+def test_prefix_cache_hit_logits_match_a_miss(tiny):
+    shared = prompts(tiny, lens=[41], seed=1)[0]
+    tails = prompts(tiny, lens=[3, 30, 64], seed=2)
+    cold = engine_for(tiny, prefix_caching=False)
+    for tail in tails:
+        prompt = shared + tail
+        _, miss = prefill_logits(cold, prompt, len(prompt))
+        for chunk in (7, len(prompt)):
+            engine = engine_for(tiny)
+            prefill_logits(engine, shared, len(shared))  # publishes 10 full blocks
+            start, hit = prefill_logits(engine, prompt, chunk)
+            assert start == 40  # 10 cached blocks of 4 tokens
+            assert_same_logits(hit, miss[start:])
+
+
+def test_prefix_cache_hit_greedy_outputs_match_a_miss(tiny):
+    shared = prompts(tiny, lens=[45], seed=3)[0]
+    batch = [shared + tail for tail in prompts(tiny, lens=[1, 9, 20], seed=4)] + [shared]
+    want = greedy(engine_for(tiny, prefix_caching=False), batch)
+    engine = engine_for(tiny)
+    greedy(engine, [shared], max_tokens=1)
+    hits = engine.blocks.prefix_hits
+    got = [greedy(engine, [p])[0] for p in batch]
+    assert got == want
+    assert engine.blocks.prefix_hits - hits >= 4 * 11  # every request reused the 11 shared full blocks
+
+
+def test_greedy_output_does_not_depend_on_the_batch(tiny):
+    target = prompts(tiny, lens=[33], seed=5)[0]
+    others = prompts(tiny, lens=[2, 17, 90, 64, 5, 120], seed=6)
+    solo = greedy(engine_for(tiny, prefix_caching=False), [target], max_tokens=20)[0]
+    for budget, mix in ((16, others[:2]), (64, others), (512, others[2:])):
+        engine = engine_for(tiny, max_num_batched_tokens=max(budget, 16), prefix_caching=False)
+        outputs = greedy(engine, others[: len(mix) // 2] + [target] + mix[len(mix) // 2 :], max_tokens=20)
+        assert outputs[len(mix) // 2] == solo, f"budget {budget}"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
+    target = prompts(tiny, lens=[21], seed=7)[0]
+    params = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    solo = greedy(engine_for(tiny), [target], max_tokens=16, **params)[0]
+    batched = greedy(engine_for(tiny, max_num_batched_tokens=16), prompts(tiny, seed=8) + [target],
+                     max_tokens=16, **params)[-1]
+    assert batched == solo
+
+
+def test_preemption_under_a_tiny_cache_completes_every_request_unchanged(tiny):
+    batch = prompts(tiny, lens=[30, 45, 60, 25, 50, 40, 55, 35], seed=9)
+    solo = [greedy(engine_for(tiny), [p], max_tokens=40)[0] for p in batch]
+    # 40 blocks of 4 tokens: any one request (<= 100 tokens) fits, all eight together (~660) do not.
+    engine = engine_for(tiny, kv_cache_max_gib=kv_gib(tiny, 40), max_num_batched_tokens=32)
+    assert engine.blocks.num_blocks == 40
+    got = greedy(engine, batch, max_tokens=40)
+    assert engine.scheduler.preemptions > 0
+    assert got == solo
+    assert engine.blocks.num_free == 40 and set(engine.blocks.ref_counts) == {0}
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_a_request_longer_than_the_whole_cache_stops_instead_of_hanging(tiny):
+    engine = engine_for(tiny)
+    engine.blocks.num_blocks = 10  # only the first 10 blocks may be used: 40 tokens
+    engine.blocks.free = type(engine.blocks.free).fromkeys(range(10))
+    seq = engine.add_request(prompts(tiny, lens=[30])[0], SamplingParams(max_tokens=100, ignore_eos=True))
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 200
+    assert seq.finish_reason == "length" and len(seq) == 41
+    assert engine.blocks.num_free == 10
+
+
+def test_abort_frees_blocks_at_once(tiny):
+    engine = engine_for(tiny, max_num_batched_tokens=16)
+    running = engine.add_request(prompts(tiny, lens=[40])[0], SamplingParams(max_tokens=50))
+    waiting = engine.add_request(prompts(tiny, lens=[40], seed=1)[0], SamplingParams(max_tokens=50))
+    engine.step()
+    assert running.block_table and not waiting.block_table
+    engine.abort(running)
+    engine.abort(waiting)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert running.finish_reason == waiting.finish_reason == "abort" and not engine.has_work()

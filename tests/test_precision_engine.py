@@ -1,0 +1,79 @@
+"""Every precision runs end to end through the CPU engine, with errors that grow as bits shrink."""
+
+import pytest
+import torch
+
+from flashnext.core.engine.engine import LLMEngine
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.loader import load_model
+from flashnext.plugins.cpu import CpuBackend
+from flashnext.plugins.cuda import cuda_probe
+
+PROMPT = list(range(3, 40))
+
+
+def prompt_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position, through the engine's own runner."""
+    seq = Sequence(list(ids), SamplingParams())
+    engine.blocks.grow(seq, len(ids))
+    inputs = engine.runner.prepare([ScheduledSeq(seq, len(ids), 1)])
+    hidden = engine.runner.forward(inputs)
+    engine.blocks.free_sequence(seq)
+    return engine.model.compute_logits(hidden)
+
+
+def nmse(out, ref):
+    return ((out - ref) ** 2).mean().item() / (ref**2).mean().item()
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_qwen3):
+    return load_model(str(tiny_qwen3))
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    backend = CpuBackend()
+    return prompt_logits(LLMEngine(backend, loaded, "fp32", backend.profiles()["full"]), PROMPT)
+
+
+@pytest.mark.parametrize(
+    "precision, bound",
+    [("bf16", 1e-3), ("fp16", 1e-4), ("fp8-e4m3", 3e-2), ("fp8-e5m2", 1e-1), ("int4", 2e-1)],
+)
+def test_precision_logits_near_fp32(loaded, reference, precision, bound):
+    backend = CpuBackend()
+    engine = LLMEngine(backend, loaded, precision, backend.profiles()["full"])
+    logits = prompt_logits(engine, PROMPT)
+    error = nmse(logits, reference)
+    assert torch.isfinite(logits).all()
+    assert 0 < error < bound, f"{precision}: NMSE {error:.2e}"
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.output_ids) == 8
+
+
+def test_lower_precisions_really_quantize(loaded, reference):
+    """int4 must differ from fp32 more than fp8, which must differ more than bf16: nobody silently computes fp32."""
+    backend = CpuBackend()
+    errors = {
+        p: nmse(prompt_logits(LLMEngine(backend, loaded, p, backend.profiles()["full"]), PROMPT), reference)
+        for p in ("bf16", "fp8-e4m3", "int4")
+    }
+    assert errors["bf16"] < errors["fp8-e4m3"] < errors["int4"]
+
+
+def test_fp8_kv_cache_runs_and_stays_close(loaded, reference):
+    backend = CpuBackend()
+    profile = backend.profiles()["full"].overridden(kv_cache_dtype="fp8-e5m2")
+    engine = LLMEngine(backend, loaded, "fp32", profile)
+    assert engine.runner.kv_caches[0][0].dtype == torch.float8_e5m2
+    assert nmse(prompt_logits(engine, PROMPT), reference) < 5e-2
+
+
+def test_cuda_probe_gives_a_reason():
+    probe = cuda_probe()
+    if torch.cuda.is_available():
+        assert probe.available and probe.facts["compute_capability"]
+    else:
+        assert not probe.available and probe.score == 0 and "CUDA" in probe.reason

@@ -1,0 +1,280 @@
+"""`flashnext serve` unit tests: a real uvicorn server on a loopback port in a thread, over a tiny random model."""
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from fixtures import write_tiny_hf_model
+from flashnext.core.async_engine import NotReady
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.llm import LLM
+from flashnext.core.server import create_app
+
+LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}  # runs for seconds: time to hang up mid-way
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    # A 16-token step budget makes a 60-token prompt prefill in chunks; a long context allows long generations.
+    path = write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
+    return LLM(str(path), backend="cpu", max_num_seqs=2, max_num_batched_tokens=16, kv_cache_max_gib=0.05)
+
+
+@contextlib.contextmanager
+def running(llm, **options):
+    """Serve `create_app(llm, **options)` on an ephemeral loopback port; yields an httpx client once healthy."""
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, **options), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: server.started, "uvicorn start")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            _wait(lambda: client.get("/health").json()["status"] == "ok", "warm-up")
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _wait(condition, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    with running(llm) as c:
+        yield c
+
+
+def metric(client, name: str, **labels) -> float:
+    """A sample's value from /metrics (0 when absent)."""
+    headers = {"Authorization": client.headers.get("Authorization", "")}
+    for family in text_string_to_metric_families(client.get("/metrics", headers=headers).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def sse_events(response) -> list:
+    """Parse an SSE body: every event must be one `data: ...` line followed by a blank line."""
+    body = response.text
+    assert body.endswith("data: [DONE]\n\n")
+    events = body.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def assert_error(response, status: int, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+    assert error["code"] == code
+    return error
+
+
+def test_completion_matches_solo_generation(client, llm):
+    prompt = "The quick brown fox jumps over"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == llm.info.model
+    choice = body["choices"][0]
+    ids = llm.tokenizer.encode(prompt)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
+    assert choice["finish_reason"] == "length"
+    stream = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                  "stream": True, "stream_options": {"include_usage": True}})
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_events(stream)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+    # Token ids as the prompt give the same answer.
+    by_ids = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == choice["text"]
+
+
+def test_chat_stream_and_not_agree(client, llm):
+    req = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+           "max_tokens": 10, "temperature": 0}
+    whole = client.post("/v1/chat/completions", json=req).json()
+    assert whole["object"] == "chat.completion"
+    message = whole["choices"][0]["message"]
+    assert message["role"] == "assistant" and whole["usage"]["completion_tokens"] == 10
+    chunks = sse_events(client.post("/v1/chat/completions", json={**req, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == message["content"]
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+
+
+def test_stop_strings_cut_the_text(client):
+    base = {"prompt": "Hello world! hello there", "max_tokens": 24, "temperature": 0}
+    text = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = text[6:9]
+    want = text[: text.find(stop)]
+    before = metric(client, "flashnext_requests_total", status="stop")
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**base, "stop": [stop, "\x00never"], "stream": stream})
+        if stream:
+            chunks = sse_events(r)
+            got = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            got, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert (got, reason) == (want, "stop")
+    assert metric(client, "flashnext_requests_total", status="stop") == before + 2
+
+
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None),
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature", None),
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, "temperature", None),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p", None),
+        ("/v1/completions", {"prompt": "   "}, "prompt", None),
+        ("/v1/completions", {"prompt": []}, "prompt", None),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", None),
+        ("/v1/completions", {"prompt": [1, 99999]}, "prompt", None),
+        ("/v1/completions", {"prompt": [5] * 5000}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n", None),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop", None),
+        ("/v1/completions", {"max_tokens": 3}, "prompt", None),
+        ("/v1/chat/completions", {"messages": []}, "messages", None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages", None),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", None),
+    ],
+)
+def test_validation_errors_are_400(client, path, body, param, code):
+    assert_error(client.post(path, json=body), 400, param, code)
+
+
+def test_bad_json_unknown_model_and_route(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
+    assert "not valid JSON" in assert_error(r, 400)["message"]
+    assert_error(client.post("/v1/completions", content=b"[1]"), 400)
+    error = assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model",
+                         "model_not_found")
+    assert "gpt-9" in error["message"]
+    assert_error(client.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
+    assert_error(client.get("/v1/nothing"), 404)
+
+
+def test_models_and_health_shape(client, llm):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [llm.info.model]
+    assert client.get(f"/v1/models/{llm.info.model}").json()["id"] == llm.info.model
+    health = client.get("/health").json()
+    assert set(health) >= {"status", "backend", "model", "precision", "optimizations", "kv_cache", "requests"}
+    assert health["status"] == "ok" and health["backend"] == "cpu" and health["precision"] == "fp32"
+    assert set(health["optimizations"]) == {"cuda_graphs", "chunked_prefill", "spec_decode", "prefix_caching"}
+    assert health["optimizations"]["chunked_prefill"] is True and health["optimizations"]["cuda_graphs"] is False
+    assert health["kv_cache"]["blocks_total"] == llm.engine.blocks.num_blocks
+    assert health["kv_cache"]["blocks_free"] == health["kv_cache"]["blocks_total"]
+    assert health["requests"] == {"running": 0, "waiting": 0}
+
+
+def test_health_says_starting_before_warm_up(llm):
+    server = create_app(llm).state.server
+    r = server.health()
+    assert r.status_code == 503 and json.loads(r.body)["status"] == "starting"
+    with pytest.raises(NotReady, match="starting"):
+        server.async_engine.submit([1, 2], SamplingParams(), "r1")
+
+
+DESIGN_METRICS = [
+    "flashnext_cuda_graph_captures_total", "flashnext_cuda_graph_replays_total",
+    "flashnext_chunked_prefill_chunks_total", "flashnext_spec_decode_drafts_total",
+    "flashnext_spec_decode_draft_tokens_total", "flashnext_spec_decode_accepted_tokens_total",
+    "flashnext_spec_decode_accepted_tokens_per_pos_total", "flashnext_time_to_first_token_seconds",
+    "flashnext_inter_token_latency_seconds", "flashnext_kv_cache_usage_ratio", "flashnext_preemptions_total",
+    "flashnext_requests_total", "flashnext_prefix_cache_hits_total",
+]
+
+
+def test_metrics_names_and_counts(client):
+    before = metric(client, "flashnext_requests_total", status="length")
+    ttft_before = metric(client, "flashnext_time_to_first_token_seconds_count")
+    for _ in range(3):
+        client.post("/v1/completions", json={"prompt": "0123456789", "max_tokens": 4, "temperature": 0})
+    text = client.get("/metrics").text
+    for name in DESIGN_METRICS:
+        assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, name
+    assert metric(client, "flashnext_requests_total", status="length") == before + 3
+    assert metric(client, "flashnext_time_to_first_token_seconds_count") == ttft_before + 3
+    assert metric(client, "flashnext_inter_token_latency_seconds_count") >= 9
+    assert metric(client, "flashnext_prefix_cache_hits_total") > 0  # the same prompt three times
+    assert metric(client, "flashnext_kv_cache_usage_ratio") == 0.0
+
+
+def test_profile_header_turns_chunking_off_per_request(client):
+    prompt = "To be, or not to be, that is the question. " * 6  # ~60 tokens over a 16-token step budget
+    chunks = lambda: metric(client, "flashnext_chunked_prefill_chunks_total")  # noqa: E731
+    texts = {}
+    for profile in ("basic", "full"):
+        before = chunks()
+        r = client.post("/v1/completions", headers={"X-Flashnext-Profile": profile},
+                        json={"prompt": f"{profile}: {prompt}", "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts[profile] = chunks() - before
+    assert texts == {"basic": 0, "full": texts["full"]} and texts["full"] >= 3
+    assert_error(client.post("/v1/completions", headers={"X-Flashnext-Profile": "turbo"}, json={"prompt": "hi"}),
+                 400, "X-Flashnext-Profile")
+
+
+def test_api_key(llm):
+    with running(llm, api_key="s3cret") as c:
+        assert c.get("/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            assert_error(c.get(path), 401, code="invalid_api_key")
+            assert_error(c.get(path, headers={"Authorization": "Bearer nope"}), 401, code="invalid_api_key")
+            assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 401, code="invalid_api_key")
+        ok = c.post("/v1/completions", headers={"Authorization": "Bearer s3cret"}, json={"prompt": "hi",
+                                                                                         "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def _all_free(client) -> bool:
+    h = client.get("/health").json()
+    return h["requests"] == {"running": 0, "waiting": 0} and h["kv_cache"]["blocks_free"] == h["kv_cache"]["blocks_total"]
+
+
+def test_queue_full_is_429_and_hangups_free_blocks(llm):
+    """Two running slots and no queue: a third request is refused; closing the streams frees every block."""
+    with running(llm, max_queue=0) as c:
+        with contextlib.ExitStack() as streams:
+            readers = []  # dropping a line iterator would close its connection
+            for i in range(2):
+                r = streams.enter_context(c.stream("POST", "/v1/completions", json={"prompt": f"{i} hi", **LONG,
+                                                                                      "stream": True}))
+                readers.append(r.iter_lines())
+                next(readers[-1])  # the first token came: the request is running
+            error = assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 429, code="queue_full")
+            assert "capacity" in error["message"]
+            assert c.get("/health").json()["kv_cache"]["blocks_free"] < llm.engine.blocks.num_blocks
+        _wait(lambda: _all_free(c), "blocks freed after hang-up", timeout=5)
+        assert metric(c, "flashnext_requests_total", status="abort") == 2
+        assert metric(c, "flashnext_requests_total", status="rejected") == 1
+        # A non-streamed request whose client gives up is cancelled too.
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "wait", **LONG}, timeout=1.0)
+        _wait(lambda: _all_free(c), "blocks freed after a timed-out client", timeout=5)
+        assert metric(c, "flashnext_requests_total", status="abort") == 3
