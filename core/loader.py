@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
+from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
 from flashnext.core.precision import Int4Weight, Weight, int4_from_gguf
@@ -402,9 +403,28 @@ def _select_rows(w: Weight, index: torch.Tensor) -> Weight:
 
 
 def load_gguf(path: str | Path) -> LoadedModel:
+    """Load a GGUF file, through the converted-copy cache (core/model_cache.py) when one exists."""
+    path = Path(path)
+    try:
+        entry = model_cache.entry_for(path)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror}); check the path") from None
+    cached = model_cache.load(entry, str(path)) if entry else None
+    if cached:
+        config, weights, tokenizer = cached
+        return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.stem)
+    loaded = _parse_gguf(path)
+    if entry:
+        try:
+            model_cache.save(entry, loaded.config, loaded.weights, loaded.tokenizer)
+        except OSError:
+            pass  # a read-only home only costs speed
+    return loaded
+
+
+def _parse_gguf(path: Path) -> LoadedModel:
     import gguf
 
-    path = Path(path)
     try:
         size = path.stat().st_size
     except OSError as exc:

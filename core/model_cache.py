@@ -1,0 +1,85 @@
+"""A converted copy of each GGUF file, so the second load skips metadata parsing and nibble shuffling.
+
+Parsing a GGUF's tokenizer arrays takes seconds in the `gguf` reader; the converted form (safetensors + JSON) loads in
+a fraction of that. Entries are keyed by the file's absolute path, size and mtime, so an edited file is reconverted.
+`FLASHNEXT_CACHE_DIR=off` disables the cache.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as HFTokenizer
+
+from .config import ModelConfig
+from .precision import Int4Weight
+from .tokenizer import Tokenizer
+
+FORMAT_VERSION = "1"
+_INT4_PARTS = ("packed", "scales", "offsets")
+
+
+def _root() -> Path | None:
+    setting = os.environ.get("FLASHNEXT_CACHE_DIR")
+    if setting == "off":
+        return None
+    return Path(setting) if setting else Path.home() / ".cache" / "flashnext"
+
+
+def entry_for(path: Path) -> Path | None:
+    root = _root()
+    if root is None:
+        return None
+    stat = path.stat()
+    key = f"{FORMAT_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return root / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) -> None:
+    """Write atomically (temp folder + rename) so an interrupted save never leaves a half entry."""
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors, groups = {}, {}
+    for name, w in weights.items():
+        if isinstance(w, Int4Weight):
+            for part in _INT4_PARTS:
+                tensors[f"{name}#int4.{part}"] = getattr(w, part).contiguous()
+            groups[name] = str(w.group_size)
+        else:
+            tensors[name] = w.contiguous()
+    save_file(tensors, str(tmp / "weights.safetensors"), metadata=groups)
+    (tmp / "config.json").write_text(config.model_dump_json())
+    (tmp / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    meta = {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": tokenizer.eos_token_ids,
+            "add_bos": tokenizer.add_bos, "chat_template": tokenizer.chat_template}
+    (tmp / "tokenizer_meta.json").write_text(json.dumps(meta))
+    try:
+        tmp.rename(entry)
+    except OSError:  # another process saved it first
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+
+def load(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer] | None:
+    if not (entry / "tokenizer_meta.json").is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
+        groups = f.metadata() or {}
+    flat = load_file(str(entry / "weights.safetensors"))
+    weights: dict = {}
+    for name, tensor in flat.items():
+        if "#int4." not in name:
+            weights[name] = tensor
+    for name, group in groups.items():
+        parts = [flat[f"{name}#int4.{p}"] for p in _INT4_PARTS]
+        weights[name] = Int4Weight(*parts, group_size=int(group))
+    meta = json.loads((entry / "tokenizer_meta.json").read_text())
+    tokenizer = Tokenizer(HFTokenizer.from_str((entry / "tokenizer.json").read_text()), source=source, **meta)
+    config = ModelConfig.model_validate_json((entry / "config.json").read_text())
+    return config, weights, tokenizer

@@ -1,0 +1,59 @@
+"""The converted-GGUF cache returns exactly what parsing returns, and notices a changed file."""
+
+import os
+
+import torch
+
+from fixtures import write_tiny_gguf
+from flashnext.core import model_cache
+from flashnext.core.loader import load_model
+from flashnext.core.precision import Int4Weight
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name, w in a.items():
+        v = b[name]
+        if isinstance(w, Int4Weight):
+            if not (isinstance(v, Int4Weight) and w.group_size == v.group_size and torch.equal(w.packed, v.packed)
+                    and torch.equal(w.scales, v.scales) and torch.equal(w.offsets, v.offsets)):
+                return False
+        elif not torch.equal(w, v):
+            return False
+    return True
+
+
+def test_second_load_comes_from_cache_and_matches(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="llama", qtype="Q4_1")
+    first = load_model(str(path))
+    entry = model_cache.entry_for(path)
+    assert (entry / "weights.safetensors").is_file()
+    second = load_model(str(path))
+    assert second.config == first.config
+    assert same_weights(first.weights, second.weights)
+    text = "hello world <|im_start|> 123"
+    assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert second.tokenizer.eos_token_ids == first.tokenizer.eos_token_ids
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_changed_file_gets_a_new_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="llama", qtype="Q4_0")
+    before = model_cache.entry_for(path)
+    load_model(str(path))
+    write_tiny_gguf(path, arch="llama", qtype="Q4_0", seed=1)
+    os.utime(path, ns=(1, 1))
+    assert model_cache.entry_for(path) != before
+
+
+def test_cache_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", "off")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="qwen3", qtype="Q8_0")
+    assert model_cache.entry_for(path) is None
+    assert load_model(str(path)).config.architecture == "qwen3"
