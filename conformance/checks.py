@@ -51,19 +51,22 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
     power = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).sum()
     total = float(err.sum())
     nmse = total / float(power) if float(power) > 0 else total
-    return Comparison(nmse, fault, _where(o, r, err) if total > 0 else "")
+    return Comparison(nmse, fault, _where(o, r, err, _kind(o) != _kind(r)))
 
 
-def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor) -> str:
-    worst = int(err.flatten().argmax())
-    idx = _index(worst, o.shape)
-    text = f"worst at index {idx}: got {o.flatten()[worst].item():.6g}, reference {r.flatten()[worst].item():.6g}"
+def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor, nonfinite_mismatch: torch.Tensor) -> str:
+    parts = []
+    if float(err.sum()) > 0:
+        worst = int(err.flatten().argmax())
+        parts.append(f"worst at index {_index(worst, o.shape)}: got {o.flatten()[worst].item():.6g}, "
+                     f"reference {r.flatten()[worst].item():.6g}")
     if o.dim() >= 2:
-        # Rows (tokens) whose own relative error is gross: points at skipped or misplaced rows.
+        # Rows (tokens) that are grossly wrong: points at skipped, misplaced or NaN-filled rows.
         row_err = err.flatten(1).sum(1)
         row_pow = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).flatten(1).sum(1).clamp_min(1e-300)
-        bad_rows = (row_err / row_pow > 1e-2).nonzero().flatten().tolist()
-        if bad_rows:
-            shown = ", ".join(str(i) for i in bad_rows[:8]) + (" ..." if len(bad_rows) > 8 else "")
-            text += f"; {len(bad_rows)} of {o.shape[0]} rows are off by more than 1% (rows {shown})"
-    return text
+        bad = (row_err / row_pow > 1e-2) | nonfinite_mismatch.flatten(1).any(1)
+        rows = bad.nonzero().flatten().tolist()
+        if rows:
+            shown = ", ".join(str(i) for i in rows[:8]) + (" ..." if len(rows) > 8 else "")
+            parts.append(f"{len(rows)} of {o.shape[0]} rows are off by more than 1% or in NaN/Inf (rows {shown})")
+    return "; ".join(parts)

@@ -42,7 +42,7 @@ def tiny_model(seed: int = 0) -> LoadedModel:
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
         w |= {p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
-              p + "self_attn.q_proj.weight": rnd(q, h, std=0.2), p + "self_attn.k_proj.weight": rnd(kv, h, std=0.2),
+              p + "self_attn.q_proj.weight": rnd(q, h, std=0.1), p + "self_attn.k_proj.weight": rnd(kv, h, std=0.1),
               p + "self_attn.v_proj.weight": rnd(kv, h, std=0.1), p + "self_attn.o_proj.weight": rnd(h, q, std=0.1),
               p + "mlp.gate_proj.weight": rnd(i, h, std=0.1), p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
               p + "mlp.down_proj.weight": rnd(h, i, std=0.1)}

@@ -1,13 +1,14 @@
 """pytest plugin (entry point `pytest11`): picks the backend under test, records each case, writes the reports.
 
-Inert in ordinary test runs: it only adds options and fixtures; reports are written when cases were recorded.
-Tests record cases through the `conformance` fixture; a test whose recorded case fails is reported as failed with
-the case's message, so one test may check several things without stopping at the first.
+Inert in ordinary test runs: it adds options, and reports only on tests that use the suite's `conformance` fixture
+(a `Recorder`; the fixtures live in suite.py so they never leak into other projects' tests). A test whose recorded
+case fails is reported as failed with the case's message, so one test may check several things without stopping at
+the first.
 """
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import pytest
 
@@ -70,16 +71,6 @@ def backend_under_test(config):
     return config.stash[_BACKEND]
 
 
-@pytest.fixture(scope="session")
-def backend(request):
-    return backend_under_test(request.config)
-
-
-@pytest.fixture(scope="session")
-def seed(request) -> int:
-    return request.config.getoption("--flashnext-seed")
-
-
 class Recorder:
     """What a test calls to record a case: a named metric, its value and the bound it must meet."""
 
@@ -116,11 +107,6 @@ class Recorder:
         return ok
 
 
-@pytest.fixture
-def conformance(request, backend) -> Recorder:
-    return Recorder(request.node, backend.name)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
@@ -130,26 +116,29 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = "\n".join(c.message for c in cases if c.passed is False)
     for c in cases:
         report.user_properties.append((c.name, f"{c.metric}={c.value:.4g} bound={c.threshold:g} passed={c.passed}"))
-    if report.when == "call" or (report.when == "setup" and not report.passed):
-        _collect(item, report, cases)
+    in_suite = "conformance" in getattr(item, "fixturenames", ())  # ordinary test runs stay untouched
+    if in_suite and (report.when == "call" or (report.when == "setup" and not report.passed)):
+        _collect(item, report, call, cases)
     return report
 
 
-def _collect(item, report, cases: list[CaseResult]) -> None:
+def _collect(item, report, call, cases: list[CaseResult]) -> None:
     results = item.config.stash[_RESULTS]
     for c in cases:
         c.outcome = "passed" if c.passed else "failed"
     results += cases
-    if cases and not report.skipped:
+    crashed = report.failed and not any(c.passed is False for c in cases)
+    if cases and not report.skipped and not crashed:
         return
-    # No recorded case: the test itself is the case (an exception, a skip with its reason).
+    # The test itself is the case: a skip with its reason, or an exception no recorded case explains.
     backend = item.config.stash.get(_BACKEND, None)
     precision = getattr(item, "callspec", None) and item.callspec.params.get("precision", "")
     message = ""
     if report.skipped:
         message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     elif report.failed:
-        message = f"{item.name.removeprefix('test_')}: {report.longreprtext.strip().splitlines()[-1]}"
+        error = call.excinfo.exconly() if call.excinfo else report.longreprtext.strip().splitlines()[-1]
+        message = f"{item.name.removeprefix('test_')}: {error}"
     passed = None if report.skipped else report.passed
     results.append(CaseResult(item.name.removeprefix("test_"), getattr(backend, "name", "?"), precision or "",
                               "error" if report.failed else "ran", None, None, passed, message,

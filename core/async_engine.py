@@ -63,13 +63,15 @@ class RequestStream:
         """Stop generating (client gone, or a stop string matched); `reason` is what requests_total records."""
         if self.finish_reason is None:
             self._close(reason)
-            self.owner.commands.put(("abort", self, reason))
+            self.owner.commands.put(("abort", self))
             self.queue.put_nowait(([], reason))  # wakes a consumer waiting on the next token
 
     def _close(self, reason: str) -> None:
+        """The outcome is decided here, on the event loop, before the client hears of it: counted once."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.owner.active -= 1
+            self.owner.metrics.requests.labels(reason).inc()
 
     def put(self, item) -> None:
         """From the engine thread: hand an item to the event loop (dropped if that loop is gone)."""
@@ -128,7 +130,7 @@ class AsyncEngine:
             log.exception("the engine loop failed")
             self.status = "error"
             for stream in self.live.values():
-                stream.put(RuntimeError(f"the engine failed: {exc!r}"))
+                stream.put(NotReady(f"the engine failed ({exc!r}); see the server log"))
             self.live.clear()
             return
         self._abort_all("the server is shutting down")
@@ -153,22 +155,18 @@ class AsyncEngine:
             return True
 
     def _apply(self, command: tuple) -> None:
-        kind, stream = command[0], command[1]
+        kind, stream = command
         if kind == "add":
             try:
                 seq = self.engine.add_request(stream.prompt_ids, stream.params, stream.request_id,
-                                              chunked_prefill=stream.chunked_prefill)
+                                              chunked_prefill=stream.chunked_prefill, spec_enabled=stream.spec)
             except FlashnextError as exc:
-                self.metrics.requests.labels("error").inc()
                 stream.put(exc)
                 return
-            if hasattr(seq, "spec"):  # the speculative-decoding switch, where the engine has one per request
-                seq.spec = stream.spec
             stream.seq = seq
             self.live[id(seq)] = stream
         elif kind == "abort" and stream.seq is not None and self.live.pop(id(stream.seq), None):
             self.engine.abort(stream.seq)
-            self.metrics.requests.labels(command[2]).inc()
 
     def _deliver(self, outputs) -> None:
         now = time.perf_counter()
@@ -181,7 +179,6 @@ class AsyncEngine:
             reason = out.seq.finish_reason if out.finished else None
             if out.finished:
                 del self.live[id(out.seq)]
-                self.metrics.requests.labels(reason).inc()
             if out.new_token_ids or reason:
                 stream.put((out.new_token_ids, reason))
 
@@ -197,6 +194,5 @@ class AsyncEngine:
     def _abort_all(self, message: str) -> None:
         for stream in self.live.values():
             self.engine.abort(stream.seq)
-            self.metrics.requests.labels("abort").inc()
             stream.put(NotReady(message))
         self.live.clear()

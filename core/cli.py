@@ -12,6 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_bench import bench
+from .cli_conformance import conformance
+from .cli_serve import serve
 from .errors import FlashnextError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run LLMs fast on whatever accelerator is here.")
@@ -189,9 +192,9 @@ def _report(llm, seq, text: str, start: float, first_token_at: float) -> dict:
     }
 
 
-from .cli_serve import serve  # noqa: E402  (after friendly_errors, which it uses)
-
-app.command()(serve)
+app.command()(friendly_errors(serve))
+app.command()(friendly_errors(conformance))
+app.command()(friendly_errors(bench))
 
 
 def main():

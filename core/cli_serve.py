@@ -1,17 +1,17 @@
 """`flashnext serve`: load the model, then serve the OpenAI-compatible API with uvicorn (docs/serving.md)."""
 
+import contextlib
 import sys
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 
-from .cli import _nothing, friendly_errors, stderr
 from .errors import UserError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-@friendly_errors
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind; loopback unless you mean to expose it.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
@@ -22,8 +22,8 @@ def serve(
     max_num_seqs: Annotated[Optional[int], typer.Option(min=1, help="Requests running at once.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(min=16, help="Context length (tokens).")] = None,
     max_queue: Annotated[int, typer.Option(min=0, help="Requests waiting beyond the running ones; then 429.")] = 256,
-    api_key: Annotated[Optional[str], typer.Option(envvar="FLASHNEXT_API_KEY",
-                                                   help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="FLASHNEXT_API_KEY", help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info, debug.")] = "info",
 ):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
@@ -36,7 +36,8 @@ def serve(
         raise UserError("--api-key / FLASHNEXT_API_KEY is empty: give a key or leave it unset")
     if host not in LOOPBACK and api_key is None:
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    with stderr.status("loading model…", spinner="dots") if sys.stderr.isatty() else _nothing():
+    spinner = Console(stderr=True).status("loading model…", spinner="dots")
+    with spinner if sys.stderr.isatty() else contextlib.nullcontext():
         llm = LLM(model=model, backend=backend, precision=precision, profile=profile, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len)
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name})"

@@ -119,8 +119,8 @@ def _causal_attention(q, keys, values, scale):
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    query_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-    mask = torch.arange(ctx_len).unsqueeze(0) > query_pos
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
+    mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) > query_pos
     scores.masked_fill_(mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
 

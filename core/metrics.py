@@ -1,7 +1,8 @@
 """Prometheus metrics for `flashnext serve` (names: shared/DESIGN.md, all prefixed `flashnext_`).
 
 Latencies and request outcomes are recorded as they happen; counters that live in the engine (preemptions, prefill
-chunks, prefix hits, graph and speculative-decoding counts) are read at scrape time, so they are never out of step.
+chunks, prefix hits, speculative-decoding counts, and graph counts where the backend's runner keeps them) are read
+at scrape time, so they are never out of step.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,21 +21,21 @@ class EngineCollector:
     def collect(self):
         engine = self.engine
         runner, blocks, scheduler = engine.runner, engine.blocks, engine.scheduler
-        spec = engine.spec_stats() if hasattr(engine, "spec_stats") else {}
+        spec = engine.spec_stats()
         yield _counter("cuda_graph_captures", "CUDA graphs captured", getattr(runner, "graph_captures", 0))
         yield _counter("cuda_graph_replays", "Steps run by replaying a CUDA graph", getattr(runner, "graph_replays", 0))
         yield _counter("chunked_prefill_chunks", "Prompt pieces run while the prompt was not yet whole",
                        scheduler.prefill_chunks)
         yield _counter("preemptions", "Requests preempted (blocks freed, recomputed later)", scheduler.preemptions)
         yield _counter("prefix_cache_hits", "KV blocks served from the prefix cache", blocks.prefix_hits)
-        yield _counter("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache", blocks.prefix_queries)
-        yield _counter("spec_decode_drafts", "Speculative draft rounds", spec.get("drafts", 0))
-        yield _counter("spec_decode_draft_tokens", "Tokens proposed by the drafter", spec.get("drafted", 0))
-        yield _counter("spec_decode_accepted_tokens", "Draft tokens accepted by the target model",
-                       spec.get("accepted", 0))
+        yield _counter("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache",
+                       blocks.prefix_queries)
+        yield _counter("spec_decode_drafts", "Speculative draft rounds", spec["drafts"])
+        yield _counter("spec_decode_draft_tokens", "Tokens proposed by the drafter", spec["drafted"])
+        yield _counter("spec_decode_accepted_tokens", "Draft tokens accepted by the target model", spec["accepted"])
         per_pos = CounterMetricFamily("flashnext_spec_decode_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each draft position", labels=["position"])
-        for position, count in enumerate(spec.get("accepted_per_pos", [])):
+        for position, count in enumerate(spec["accepted_per_position"]):
             per_pos.add_metric([str(position)], count)
         yield per_pos
         used = blocks.num_blocks - blocks.num_free

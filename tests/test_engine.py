@@ -13,12 +13,22 @@ from fixtures import write_tiny_hf_model
 from flashnext.core.engine.engine import GIB, LLMEngine
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
 from flashnext.plugins.cpu import CpuBackend
 
 BS = 4
 CHUNKS = (1, 7, 16, 64)
 PROMPT_LENS = (5, 37, 100, 150)  # ragged against every chunk size: 150 = 2*64 + 22 = 21*7 + 3 = 9*16 + 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: thread hand-offs cost more than the math, ten times more on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -196,3 +206,17 @@ def test_abort_frees_blocks_at_once(tiny):
     engine.abort(waiting)
     assert engine.blocks.num_free == engine.blocks.num_blocks
     assert running.finish_reason == waiting.finish_reason == "abort" and not engine.has_work()
+
+
+def test_llm_stream_yields_what_generate_returns_and_closing_it_frees_blocks(tiny):
+    llm = LLM(model=tiny, backend="cpu", profile="full", block_size=BS, kv_cache_max_gib=kv_gib(tiny, 512))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for prompt in prompts(tiny, lens=[20, 3], seed=10):
+        want = llm.generate([prompt], params)[0]
+        pieces = list(llm.stream(prompt, params))
+        assert [t for _, ids in pieces for t in ids] == want.token_ids
+        assert "".join(text for text, _ in pieces) == want.text
+    stream = llm.stream(prompts(tiny, lens=[30], seed=11)[0], params)
+    next(stream)
+    stream.close()  # a client that goes away mid-stream
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks and not llm.engine.has_work()

@@ -7,57 +7,17 @@ alone, so paging, chunking and batching are covered too.
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from fixtures import write_tiny_hf_model
+from numerics import SMOLLM_PROMPTS, engine_logits, relative_errors
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
 
-transformers = pytest.importorskip("transformers")
-
 REL_TOL = 1e-4
 GEN_TOKENS = 32
-
-LONG_TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
-    "metal type, oil-based ink and a screw press adapted from winemaking. Before his workshop in Mainz, books in "
-    "Europe were copied by hand, a slow and costly process that kept them in the hands of monasteries, universities "
-    "and wealthy patrons. Within fifty years of the first printed Bible, presses were running in more than two "
-    "hundred cities, and millions of volumes had been produced. Prices fell, literacy spread, and ideas travelled "
-    "faster than ever before: scientists could compare observations, reformers could reach a wide audience, and "
-    "scholars could rely on identical copies of the same text. Historians still debate how much of the scientific "
-    "revolution and the Reformation we owe to this single invention, but few doubt that it changed how knowledge "
-    "was stored, shared and questioned. Newspapers, pamphlets and cheap almanacs soon followed, carrying news and "
-    "opinion to readers who had never owned a book. In the centuries that followed, steam power, rotary presses and"
-)
-
-# (text, chat-templated?)
-SMOLLM_PROMPTS = [
-    ("The capital of France is", False),
-    ("What is the tallest mountain in the world?", True),
-    ("def fibonacci(n):\n    ", False),
-    (LONG_TEXT, False),
-]
-
-
-def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] logits of every prompt position, computed by the engine's own step path."""
-    engine = llm.engine
-    seq = engine.add_request(ids, SamplingParams(max_tokens=1))
-    chunks = []
-    with torch.inference_mode():
-        while seq.finish_reason is None:
-            batch = engine.scheduler.schedule()
-            inputs = engine.runner.prepare(batch)
-            logits = engine.model.compute_logits(engine.runner.forward(inputs))
-            chunks.append(logits)
-            engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
-    return torch.cat(chunks)
-
-
-def relative_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return (ours.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

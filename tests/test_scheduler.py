@@ -18,7 +18,8 @@ def make(num_blocks=64, max_num_seqs=8, budget=16) -> Scheduler:
 
 
 def request(n_prompt: int, max_tokens: int = 4, chunked: bool = True, first: int = 0) -> Sequence:
-    return Sequence(list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens), chunked_prefill=chunked)
+    prompt = list(range(first, first + n_prompt))
+    return Sequence(prompt, SamplingParams(max_tokens=max_tokens), chunked_prefill=chunked)
 
 
 def step(sched: Scheduler):

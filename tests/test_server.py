@@ -16,14 +16,18 @@ from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 from flashnext.core.server import create_app
 
-LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}  # runs for seconds: time to hang up mid-way
+LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}  # runs for seconds: time to hang up mid-way
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def tiny(tmp_path_factory):
+    return str(write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
     # A 16-token step budget makes a 60-token prompt prefill in chunks; a long context allows long generations.
-    path = write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=4096)
-    return LLM(str(path), backend="cpu", max_num_seqs=2, max_num_batched_tokens=16, kv_cache_max_gib=0.05)
+    return LLM(tiny, backend="cpu", max_num_seqs=2, max_num_batched_tokens=16, kv_cache_max_gib=0.05)
 
 
 @contextlib.contextmanager
@@ -86,7 +90,7 @@ def assert_error(response, status: int, param=None, code=None):
     return error
 
 
-def test_completion_matches_solo_generation(client, llm):
+def test_completion_json_sse_and_token_ids_agree(client, llm):
     prompt = "The quick brown fox jumps over"
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -209,18 +213,21 @@ DESIGN_METRICS = [
 ]
 
 
-def test_metrics_names_and_counts(client):
-    before = metric(client, "flashnext_requests_total", status="length")
-    ttft_before = metric(client, "flashnext_time_to_first_token_seconds_count")
-    for _ in range(3):
-        client.post("/v1/completions", json={"prompt": "0123456789", "max_tokens": 4, "temperature": 0})
+def test_metrics_names_and_counts(client, llm):
+    names = ["flashnext_requests_total", "flashnext_time_to_first_token_seconds_count",
+             "flashnext_inter_token_latency_seconds_count", "flashnext_prefix_cache_hits_total"]
+    before = [metric(client, n, **({"status": "length"} if n.endswith("requests_total") else {})) for n in names]
+    prompt = "0123456789" * 8
+    full_blocks = len(llm.tokenizer.encode(prompt)) // llm.engine.blocks.block_size
+    for _ in range(3):  # the same prompt three times: the last two reuse its full blocks
+        client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
     text = client.get("/metrics").text
     for name in DESIGN_METRICS:
         assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, name
-    assert metric(client, "flashnext_requests_total", status="length") == before + 3
-    assert metric(client, "flashnext_time_to_first_token_seconds_count") == ttft_before + 3
-    assert metric(client, "flashnext_inter_token_latency_seconds_count") >= 9
-    assert metric(client, "flashnext_prefix_cache_hits_total") > 0  # the same prompt three times
+    after = [metric(client, n, **({"status": "length"} if n.endswith("requests_total") else {})) for n in names]
+    requests, ttft, itl, hits = (a - b for a, b in zip(after, before))
+    assert (requests, ttft, itl) == (3, 3, 9)
+    assert hits == 2 * full_blocks and full_blocks >= 2
     assert metric(client, "flashnext_kv_cache_usage_ratio") == 0.0
 
 
@@ -239,6 +246,37 @@ def test_profile_header_turns_chunking_off_per_request(client):
                  400, "X-Flashnext-Profile")
 
 
+def test_profile_header_turns_spec_decoding_off_per_request(tiny):
+    with running(LLM(tiny, backend="cpu", spec="ngram", kv_cache_max_gib=0.05)) as c:
+        assert c.get("/health").json()["optimizations"]["spec_decode"] is True
+        req = {"prompt": "hello world, hello there, " * 8, "max_tokens": 24, "temperature": 0}
+        runs = {}
+        for profile in ("basic", "full"):
+            before = metric(c, "flashnext_spec_decode_drafts_total")
+            r = c.post("/v1/completions", headers={"X-Flashnext-Profile": profile}, json=req)
+            runs[profile] = r.json()["choices"][0]["text"], metric(c, "flashnext_spec_decode_drafts_total") - before
+        assert runs["basic"][1] == 0 and runs["full"][1] > 0
+        assert runs["basic"][0] == runs["full"][0]  # speculative decoding is exact
+        text = c.get("/metrics").text
+        assert 'flashnext_spec_decode_accepted_tokens_per_pos_total{position="0"}' in text
+        drafted = metric(c, "flashnext_spec_decode_draft_tokens_total")
+        assert drafted >= metric(c, "flashnext_spec_decode_accepted_tokens_total") and drafted > 0
+
+
+def test_engine_failure_is_503_not_a_hang(tiny):
+    llm = LLM(tiny, backend="cpu", kv_cache_max_gib=0.05)
+    with running(llm) as c:
+        def broken_step():
+            raise RuntimeError("boom")
+
+        llm.engine.step = broken_step
+        assert "boom" in assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503)["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 503, code="not_ready")
+        assert metric(c, "flashnext_requests_total", status="error") == 1
+
+
 def test_api_key(llm):
     with running(llm, api_key="s3cret") as c:
         assert c.get("/health").status_code == 200
@@ -254,7 +292,8 @@ def test_api_key(llm):
 
 def _all_free(client) -> bool:
     h = client.get("/health").json()
-    return h["requests"] == {"running": 0, "waiting": 0} and h["kv_cache"]["blocks_free"] == h["kv_cache"]["blocks_total"]
+    kv = h["kv_cache"]
+    return h["requests"] == {"running": 0, "waiting": 0} and kv["blocks_free"] == kv["blocks_total"]
 
 
 def test_queue_full_is_429_and_hangups_free_blocks(llm):

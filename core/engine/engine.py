@@ -105,6 +105,7 @@ class LLMEngine:
         if not batch:
             return []
         starts = [item.seq.num_computed for item in batch]
+        self.runner.last_hidden = None  # a runner that replays look-ahead tokens runs no model and leaves it None
         _, sampled = self.runner.run(batch)
         outputs = self._postprocess(batch, sampled.tolist())
         if self.spec:

@@ -16,7 +16,7 @@ class AcceptanceTracker:
     k_max: int
     adaptive: bool = True
     adapt_k: bool = True  # off where the verify shape must stay fixed (CUDA graphs)
-    rate: float = 0.5  # rolling acceptance: two bad verify steps in a row pause a fresh request
+    rate: float = 0.4  # rolling acceptance: two bad verify steps in a row pause a fresh request
     pause_left: int = 0
     next_pause: int = FIRST_PAUSE
 

@@ -83,7 +83,7 @@ class SpecDecoder:
         self.tracker(seq).record(len(drafts), n)
         return drafts[:n] + [sampled[n]]
 
-    def after_step(self, batch: list[ScheduledSeq], starts: list[int], hidden: torch.Tensor) -> None:
+    def after_step(self, batch: list[ScheduledSeq], starts: list[int], hidden: torch.Tensor | None) -> None:
         """Draft for the next step. `starts`: each sequence's num_computed before the step; `hidden`: the
         target's final hidden states for every token of the step."""
         requests, row = [], 0
@@ -101,13 +101,13 @@ class SpecDecoder:
         k = self.tracker(seq).drafts_wanted()
         # A verify step adds up to k + 1 tokens: stay within max_tokens and the context.
         k = min(k, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - len(seq) - 1)
-        # Slots for the verify step are taken now, so drafts never cause a preemption; no room, no drafts.
+        # The verify step's slots come from free blocks, taken now: drafts never preempt anyone to make room.
         if k <= 0 or not self.blocks.can_grow(seq, len(seq) + k):
             return 0
         self.blocks.grow(seq, len(seq) + k)
         return k
 
-    def _propose(self, requests: list[DraftRequest], hidden: torch.Tensor) -> None:
+    def _propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> None:
         for r, drafts in zip(requests, self.drafter.propose(requests, hidden)):
             if drafts and self.profile.cuda_graphs:
                 drafts += [drafts[-1]] * (r.k - len(drafts))  # padding keeps the shape; it is verified like any draft

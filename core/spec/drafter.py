@@ -20,7 +20,7 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
-    def propose(self, requests: list[DraftRequest], hidden: torch.Tensor) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> list[list[int]]:
         """Draft tokens per request (at most r.k each; fewer or none is fine). `hidden` is the target's final
-        hidden states for every token of the step, [T, hidden_size]."""
+        hidden states for every token of the step, [T, hidden_size], or None where the runner ran no model."""
         ...

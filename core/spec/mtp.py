@@ -12,6 +12,8 @@ draft), and the chained steps write at later positions that the next catch-up ov
 Only the first module is chained (checkpoints with more carry them unused), so its cache is always exact.
 """
 
+from itertools import accumulate
+
 import torch
 
 from ..errors import UserError
@@ -45,7 +47,9 @@ class MtpDrafter:
         cfg = model.config
         return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
 
-    def propose(self, requests: list[DraftRequest], hidden: torch.Tensor) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> list[list[int]]:
+        if hidden is None:  # the runner ran no model this step (CUDA look-ahead): nothing to catch up from
+            return [[] for _ in requests]
         dev = self.model.device
         # Catch-up: position p pairs the target's hidden state at p with the token at p + 1.
         ids, rows, spans = [], [], []
@@ -58,8 +62,10 @@ class MtpDrafter:
         active = [i for i, r in enumerate(requests) if r.k]
         if not active:
             return drafts
-        ends = torch.tensor([sum(r.count for r in requests[: i + 1]) - 1 for i in active], device=dev)
-        state, tokens = out[ends], self._draft(out[ends])
+        last_rows = list(accumulate(r.count for r in requests))
+        ends = torch.tensor([last_rows[i] - 1 for i in active], device=dev)
+        state = out[ends]
+        tokens = self._draft(state)
         for step in range(max(requests[i].k for i in active)):
             for i, t in zip(active, tokens.tolist()):
                 drafts[i].append(t)
@@ -101,9 +107,7 @@ class MtpDrafter:
             context_lens.append(start + count)
         width = max(len(seq.block_table) for seq, _, _ in spans)
         tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _, _ in spans]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+        starts = [0, *accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start=torch.tensor(starts, dtype=i32, device=dev),

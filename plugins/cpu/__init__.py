@@ -18,7 +18,7 @@ class CpuBackend(Backend):
         "cuda_graphs": False,
         "chunked_prefill": True,
         "prefix_caching": True,
-        "spec_decode": False,
+        "spec_decode": True,
         "fp8_kv_cache": True,
     }
 

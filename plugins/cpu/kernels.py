@@ -44,9 +44,12 @@ class CpuKernels(ReferenceKernels):
             mask = None
             if q_len > 1:  # queries are the last q_len positions of the context: causal, offset to the end
                 mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
+            # A leading batch dim routes SDPA to its flash CPU kernel; 3-D inputs take the math path, which
+            # materializes [heads, q, ctx] scores (1.4 GiB for a 4k prompt instead of 76 MiB).
             attended = F.scaled_dot_product_attention(
-                query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+                query[None], keys.to(q.dtype)[None], values.to(q.dtype)[None], attn_mask=mask, scale=scale,
+                enable_gqa=True,
             )
-            out[start : start + q_len] = attended.transpose(0, 1)
+            out[start : start + q_len] = attended[0].transpose(0, 1)
             start += q_len
         return out

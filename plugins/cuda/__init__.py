@@ -40,10 +40,12 @@ class CudaBackend(Backend):
         "chunked_prefill": True,
         "prefix_caching": True,
         "spec_decode": False,
-        "fp8_kv_cache": True,  # e5m2 or e4m3 cache, widened to bf16 inside the attention kernel
-        "triton_kernels": True,
-        "fp8_scaled_mm": True,  # fp8-e4m3 weights: per-channel weight and per-token activation scales
-        "int4_triton_gemm": True,
+        "fp8_kv_cache": True,  # e5m2 (widened by a byte shift) or e4m3, inside the attention kernel
+        "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
+        # fp8-e4m3 weights, per-channel scales: 16-bit activations in the batch-1 GEMV, per-token fp8 activations
+        # in the decode-batch Triton GEMM and in torch._scaled_mm for prefill-sized batches.
+        "fp8_weights": True,
+        "int4_weights": True,  # Triton GEMV up to 2 rows; one Triton dequant pass + cuBLAS above
     }
 
     def probe(self) -> Probe:

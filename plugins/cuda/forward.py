@@ -1,8 +1,9 @@
-"""The decoder forward pass on the fused CUDA kernels: six launches a layer in the batch-1 decode case.
+"""The decoder forward pass on the fused CUDA kernels: seven launches a layer in the batch-1 decode case.
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
 prologue of the projection after it, q/k norm + rope + the KV-cache write are one pass, and SiLU-and-mul rides in
-the gate/up epilogue. Larger batches fall back, op by op, to the unfused Triton kernels and cuBLAS.
+the gate/up epilogue (qkv GEMV, rope+KV, split-KV attention + its reduction, o GEMV, gate/up GEMV, down GEMV).
+Larger batches fall back, op by op, to the unfused Triton kernels and cuBLAS.
 """
 
 import torch

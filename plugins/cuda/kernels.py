@@ -5,6 +5,8 @@ Besides the Kernels interface this adds the fused ops the CUDA forward (forward.
 write in one pass, rmsnorm fused into a small-batch GEMV prologue, and SiLU-and-mul fused into its epilogue.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -15,14 +17,29 @@ from flashnext.core.precision import FP8_MAX, Fp8Weight, Int4Weight, Weight
 
 # Rows up to this many go through the fused norm-GEMV (one weight read per row): the batch-1 decode path.
 GEMV_MAX_ROWS = 2
-# Hidden sizes whose whole row fits one program's registers for the fused norm prologue.
+# Input sizes whose whole row fits one program's registers (the GEMV keeps all of x and its W tile live).
 GEMV_MAX_K = 4096
-# Int4 weights at most this many rows of activations use the fused dequant GEMM; bigger batches dequantize once.
-INT4_FUSED_MAX_ROWS = 64
+# Wider outputs (the vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already.
+GEMV_MAX_N = 32768
+# fp8 weights at batches up to this many rows (decode) use the skinny Triton GEMM; larger ones torch._scaled_mm.
+SKINNY_MAX_ROWS = 64
+
+
+# Triton's CPU interpreter (3.9) mis-multiplies bf16 dots; under it (the CI tests) dots run in fp32 instead.
+_FP32_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _dot(a, b):
+    if _FP32_DOTS:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,10 +128,22 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_k, stride_
 
 
 @triton.jit
+def _load_cache(ptr, mask, dtype, E5M2_BITS: tl.constexpr):
+    """A cache tile in `dtype`. E5M2_BITS: the cache is fp8-e5m2 viewed as bytes, and an e5m2 byte is the high
+    byte of the fp16 of the same value, so one shift widens it exactly (no conversion instructions)."""
+    if E5M2_BITS:
+        tile = (tl.load(ptr, mask=mask, other=0).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    else:
+        tile = tl.load(ptr, mask=mask, other=0.0).to(dtype)
+    return tile
+
+
+@triton.jit
 def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
                     KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, max_blocks):
-    """Online softmax of q [BLOCK_M, D] over cached keys lo..hi; returns (acc, running max, running sum)."""
+                    BLOCK_N: tl.constexpr, max_blocks, E5M2_BITS: tl.constexpr):
+    """Online softmax of q [BLOCK_M, D] over cached keys lo..hi; returns (acc, running max, running sum).
+    With E5M2_BITS, q arrives as fp16 and the dots run in fp16."""
     d = tl.arange(0, D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,15 +153,15 @@ def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, sc
         n_ok = n < hi
         block = tl.load(tables_ptr + seq * max_blocks + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         offs = (block * BLOCK_SIZE + n % BLOCK_SIZE) * KVH * D + kvh * D
-        k = tl.load(k_cache + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * scale
+        k = _load_cache(k_cache + offs[:, None] + d[None, :], n_ok[:, None], q.dtype, E5M2_BITS)
+        s = _dot(q, tl.trans(k)) * scale
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
-        v = tl.load(v_cache + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        v = _load_cache(v_cache + offs[:, None] + d[None, :], n_ok[:, None], q.dtype, E5M2_BITS)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
     return acc, m_i, l_i
@@ -141,7 +170,8 @@ def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, sc
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale, max_blocks,
                             H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            E5M2_BITS: tl.constexpr):
     """Program (sequence, kv head, query tile); a tile's rows are (query token, head of the kv group) pairs."""
     seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
@@ -156,10 +186,12 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
         d = tl.arange(0, D)
         q_offs = (q_first + t)[:, None] * (H * D) + head[:, None] * D + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=ok[:, None], other=0.0)
+        if E5M2_BITS:
+            q = q.to(tl.float16)
         q_pos = ctx - q_len + t
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
         acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, 0, hi, scale,
-                                        KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks)
+                                        KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -167,7 +199,8 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                         E5M2_BITS: tl.constexpr):
     """Decode only (one query per sequence): split s of SPLITS covers one slice of the context."""
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
@@ -180,9 +213,11 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     ok = r < GROUP
     d = tl.arange(0, D)
     q = tl.load(q_ptr + seq * H * D + head[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    if E5M2_BITS:
+        q = q.to(tl.float16)
     q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
     acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
-                                    KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks)
+                                    KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
     base = (seq * H + head) * SPLITS + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=ok)
@@ -228,8 +263,9 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
     x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=0)
-    scale = tl.maximum(amax / FMAX, 1.1754943508222875e-38 * 1.1920928955078125e-07)
-    scale = tl.where(amax > 0, scale, 1.0)
+    # Floor at the smallest fp32 subnormal (bit pattern 1), written as bits: a literal that small becomes fp64.
+    tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
     q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(scale_ptr + row, scale)
@@ -239,14 +275,47 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
 # GEMV / GEMM
 
 
+# Weight kinds the GEMV / skinny GEMM read: 16-bit dense, fp8 with one scale per output row, Int4Weight.
+DENSE, FP8, INT4 = 0, 1, 2
+
+
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, out_ptr, K, N_OUT, eps,
-                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_dots(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, xf, WKIND: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[n] · x for BLOCK_N rows, x [BLOCK_K] float32 (zero past K). Int4 groups factor their scale and offset
+    out of the sum: sum((q s + o) x) = s sum(q x) + o sum(x), so the nibbles meet x with no per-element dequant."""
+    if WKIND == 2:
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        i = tl.arange(0, HALF)
+        p = tl.load(w_ptr + n[:, None] * (K // 2) + i[None, :], mask=n_ok[:, None] & (i < K // 2)[None, :], other=0)
+        x_even, x_odd = tl.split(tl.reshape(xf, (HALF, 2)))
+        prod = (p & 0xF).to(tl.float32) * x_even[None, :] + (p >> 4).to(tl.float32) * x_odd[None, :]
+        per_group = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP // 2)), axis=2)
+        x_sums = tl.sum(tl.reshape(x_even + x_odd, (GROUPS, GROUP // 2)), axis=1)
+        g = tl.arange(0, GROUPS)
+        g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
+        s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
+        o = tl.load(offsets_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
+        acc = tl.sum(per_group * s + o * x_sums[None, :], axis=1)
+    else:
+        k = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
+        if WKIND == 1:
+            acc = acc * tl.load(scales_ptr + n, mask=n_ok, other=0.0)
+    return acc
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, K, N_OUT, eps,
+                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, WKIND: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
     With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. Program 0 writes the
-    new residual; the others only read the old one, so the output buffer must differ from the input.
+    new residual; the others only read the old one, so the output buffer must differ from the input. Weights are
+    read as WKIND says (see _row_dots); activations stay 16-bit.
     """
     pid, row = tl.program_id(0), tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -255,61 +324,122 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, out_ptr, K, N_
     x = tl.load(x_ptr + row * K + k, mask=k_ok, other=0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(res_ptr + row * K + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + row * K + k, x, mask=k_ok & (pid == 0))
+        if pid == 0:
+            tl.store(res_out_ptr + row * K + k, x, mask=k_ok)
     xf = x.to(tl.float32)
     if HAS_NORM:
         rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
         xf = (xf * rms * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
-    w_mask = n_ok[:, None] & k_ok[None, :]
-    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=w_mask, other=0.0)
-    acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1).to(dtype)
+    acc = _row_dots(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, xf, WKIND, GROUP, BLOCK_N, BLOCK_K).to(dtype)
     if SILU:
-        u = tl.load(w_ptr + (n + N_OUT)[:, None] * K + k[None, :], mask=w_mask, other=0.0)
-        up = tl.sum(u.to(tl.float32) * xf[None, :], axis=1).to(dtype)
+        up = _row_dots(w_ptr, scales_ptr, offsets_ptr, n + N_OUT, n_ok, K, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
         gate = acc.to(tl.float32)
-        acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype)
+        acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok)
 
 
 @triton.jit
-def _int4_matmul_kernel(x_ptr, packed_ptr, scales_ptr, offsets_ptr, out_ptr, M, N, K,
-                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out = x · dequant(W)ᵀ, one quantization group per K step; even/odd input columns meet low/high nibbles."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    HALF: tl.constexpr = GROUP // 2
+def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, WKIND: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
+
+    FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
+    they are; the epilogue applies x_scale ⊗ w_scale.
+    """
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    i = tl.arange(0, HALF)
-    groups = K // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for g in range(0, groups):
-        p = tl.load(packed_ptr + rn[:, None] * (K // 2) + g * HALF + i[None, :], mask=n_ok[:, None], other=0)
-        s = tl.load(scales_ptr + rn * groups + g, mask=n_ok, other=0.0)[:, None]
-        o = tl.load(offsets_ptr + rn * groups + g, mask=n_ok, other=0.0)[:, None]
-        w_lo = ((p & 0xF).to(tl.float32) * s + o).to(x_ptr.dtype.element_ty)
-        w_hi = ((p >> 4).to(tl.float32) * s + o).to(x_ptr.dtype.element_ty)
-        cols = g * GROUP + 2 * i
-        x_even = tl.load(x_ptr + rm[:, None] * K + cols[None, :], mask=m_ok[:, None], other=0.0)
-        x_odd = tl.load(x_ptr + rm[:, None] * K + cols[None, :] + 1, mask=m_ok[:, None], other=0.0)
-        acc += tl.dot(x_even, tl.trans(w_lo))
-        acc += tl.dot(x_odd, tl.trans(w_hi))
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
+        acc += _dot(x, tl.trans(w))
+    if WKIND == 1:
+        acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass from Int4Weight to a 16-bit [N, K] weight (then cuBLAS): byte i holds columns 2i and 2i+1."""
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < K // 2
+    p = tl.load(packed_ptr + row * (K // 2) + i, mask=m, other=0)
+    g = row * (K // GROUP) + 2 * i // GROUP
+    s = tl.load(scales_ptr + g, mask=m, other=0.0)
+    o = tl.load(offsets_ptr + g, mask=m, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * K + 2 * i, ((p & 0xF).to(tl.float32) * s + o).to(dtype), mask=m)
+    tl.store(out_ptr + row * K + 2 * i + 1, ((p >> 4).to(tl.float32) * s + o).to(dtype), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode-step bookkeeping on the device (graph replays feed themselves)
+
+
+@triton.jit
+def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows, width,
+                          BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    m = r < rows
+    pos = tl.load(pos_ptr + r, mask=m, other=0)
+    live = tl.load(live_ptr + r, mask=m, other=0) != 0
+    block = tl.load(tables_ptr + r * width + tl.minimum(pos // BLOCK_SIZE, width - 1), mask=m & live, other=0)
+    tl.store(slot_ptr + r, tl.where(live, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, -1), mask=m)
+    tl.store(ctx_ptr + r, tl.where(live, pos + 1, 0).to(tl.int32), mask=m)
+
+
+@triton.jit
+def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr):
+    """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance."""
+    r = tl.arange(0, BLOCK)
+    m = r < rows
+    step = tl.load(step_ptr)
+    tok = tl.load(tok_ptr + r, mask=m)
+    tl.store(out_ptr + step * out_stride + r, tok, mask=m)
+    tl.store(ids_ptr + r, tok, mask=m)
+    tl.store(pos_ptr + r, tl.load(pos_ptr + r, mask=m) + 1, mask=m)
+    tl.store(step_ptr, step + 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def skinny_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, pipeline stages) for fp8 weights: the fastest of a sweep on an H200 at 1 and 64 rows
+    (benchmarks/bench_cuda.py, docs/benchmarks.md)."""
+    block_k = 128 if n >= 4096 else 256
+    while k % block_k:
+        block_k //= 2
+    return (32 if n >= 4096 else 16), block_k, 4
+
+
+def gemv_config(n_out: int, k: int) -> tuple[int, int]:
+    """(rows of W per program, warps): four rows a program streamed from HBM fastest at every Qwen3-0.6B shape."""
+    return 4, 8 if _pow2(k) >= 4096 else 4
+
+
 class CudaKernels(ReferenceKernels):
     """Triton versions of the hot ops; sampling and embedding stay in PyTorch (already one or two launches)."""
 
-    def __init__(self, decode_splits: int = 1):
+    def __init__(self, decode_splits: int = 1, register_gemv: bool = True):
         # KV splits for decode attention; the runner sets this per captured batch size (small batches need more
         # programs than sequences x kv heads to fill the GPU).
         self.decode_splits = decode_splits
+        # One- and two-row batches through the register GEMV (norm and silu fused in) rather than the skinny GEMM.
+        self.register_gemv = register_gemv
+
+    def sample(self, logits, params):
+        if params.all_greedy:  # argmax needs no fp32 copy of [rows, vocab] logits: widening is exact
+            return logits.argmax(-1)
+        return super().sample(logits, params)
 
     # --- norms ---------------------------------------------------------------------------------------------
     def rmsnorm(self, x, weight, eps):
@@ -356,18 +486,21 @@ class CudaKernels(ReferenceKernels):
         group = heads // kv_heads
         if n_seqs == 0:
             return out
+        e5m2 = k_cache.dtype == torch.float8_e5m2
+        if e5m2:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         if meta.max_query_len == 1 and self.decode_splits > 1:
-            return self._split_decode(q, k_cache, v_cache, meta, scale, out)
+            return self._split_decode(q, k_cache, v_cache, meta, scale, out, e5m2)
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.context_lens, scale,
             meta.block_tables.shape[1], H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-            BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32)
+            BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, E5M2_BITS=e5m2)
         return out
 
-    def _split_decode(self, q, k_cache, v_cache, meta, scale, out):
+    def _split_decode(self, q, k_cache, v_cache, meta, scale, out, e5m2):
         n_seqs, heads, dim = q.shape
         kv_heads, splits = k_cache.shape[2], self.decode_splits
         part = torch.empty(n_seqs * heads * splits, dim, dtype=torch.float32, device=q.device)
@@ -375,7 +508,7 @@ class CudaKernels(ReferenceKernels):
         _decode_split_kernel[(n_seqs, kv_heads, splits)](
             q, k_cache, v_cache, part, ml, meta.block_tables, meta.context_lens, scale, meta.block_tables.shape[1],
             H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, _pow2(heads // kv_heads)),
-            BLOCK_N=32, SPLITS=splits)
+            BLOCK_N=32, SPLITS=splits, E5M2_BITS=e5m2)
         _decode_reduce_kernel[(n_seqs * heads,)](part, ml, out, D=dim, SPLITS=splits)
         return out
 
@@ -389,26 +522,49 @@ class CudaKernels(ReferenceKernels):
         return out
 
     def linear(self, x, w: Weight, bias=None):
-        if isinstance(w, Int4Weight):
-            out = self._int4_linear(x, w)
+        if self.register_gemv and self._gemv_fits(x, w) and w.shape[0] <= GEMV_MAX_N:
+            out = self.gemv(x, w)
+        elif self._skinny_fits(x, w):
+            out = self.skinny_gemm(x, w)
+        elif isinstance(w, Int4Weight):
+            out = F.linear(x, self.int4_dequantize(w, x.dtype))  # batches: one dequant pass, then cuBLAS
         elif isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3":
             out = self._fp8_linear(x, w)
         else:
             return super().linear(x, w, bias)
         return out if bias is None else out + bias.to(out.dtype)
 
-    def _int4_linear(self, x, w: Int4Weight):
-        rows, (n, k) = x.shape[0], w.shape
-        if rows > INT4_FUSED_MAX_ROWS:
-            return F.linear(x, w.dequantize(x.dtype))
+    @staticmethod
+    def _skinny_fits(x, w) -> bool:
+        """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M)."""
+        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N and x.dtype in (torch.bfloat16, torch.float16)
+                and isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3")
+
+    def skinny_gemm(self, x, w: Weight, config=None) -> torch.Tensor:
+        """x @ W.T for up to SKINNY_MAX_ROWS rows; fp8 W meets per-token fp8 x, a 16-bit W meets x as is."""
+        rows, k = x.shape
+        n = w.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        block_n = 64 if rows > 16 else 32
-        grid = (triton.cdiv(rows, 16), triton.cdiv(n, block_n))
-        _int4_matmul_kernel[grid](x.contiguous(), w.packed, w.scales, w.offsets, out, rows, n, k,
-                                  GROUP=w.group_size, BLOCK_M=16, BLOCK_N=block_n)
+        fp8 = isinstance(w, Fp8Weight)
+        x_in, x_scale = self.fp8_quantize_rows(x) if fp8 else (x.contiguous(), x)
+        data, scales = (w.data, w.scale.reshape(-1)) if fp8 else (w, w)
+        block_n, block_k, stages = config or skinny_config(n, k)
+        block_m = max(16, _pow2(rows))
+        _skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
+            x_in, x_scale, data, scales, out, rows, n, k, WKIND=FP8 if fp8 else DENSE, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+        return out
+
+    def int4_dequantize(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+        n, k = w.shape
+        out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+        block = min(1024, _pow2(k // 2))
+        _int4_dequant_kernel[(n, triton.cdiv(k // 2, block))](w.packed, w.scales, w.offsets, out, k,
+                                                              GROUP=w.group_size, BLOCK=block)
         return out
 
     def _fp8_linear(self, x, w: Fp8Weight):
+        """Prefill-sized fp8: per-token fp8 activations through the fp8 tensor cores (torch._scaled_mm)."""
         xq, x_scale = self.fp8_quantize_rows(x)
         w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
         return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
@@ -427,24 +583,62 @@ class CudaKernels(ReferenceKernels):
     def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False):
         """rmsnorm(x + residual) -> linear (-> silu-and-mul when w is merged gate/up): (out, new residual).
 
-        residual None means x is the residual stream itself (the first layer). Small batches of dense weights
-        run as one fused GEMV; anything else as the separate kernels.
+        residual None means x is the residual stream itself (the first layer). One- and two-row batches run as
+        one fused GEMV (any weight kind); anything else as the separate kernels.
         """
-        rows, k = x.shape
-        dense = isinstance(w, torch.Tensor) and w.dtype == x.dtype
-        if not (dense and rows <= GEMV_MAX_ROWS and k <= GEMV_MAX_K):
+        if not (self.register_gemv and self._gemv_fits(x, w)):
             if residual is None:
                 normed, residual = self.rmsnorm(x, norm_w, eps), x
             else:
                 normed, residual = self.add_rmsnorm(x, residual, norm_w, eps)
             out = self.linear(normed, w)
             return (self.silu_and_mul(out) if silu else out), residual
+        return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True)
+
+    @staticmethod
+    def _weight_kind(w) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(kind, data, scales, offsets, group size) as the GEMV kernels take them."""
+        if isinstance(w, Int4Weight):
+            return INT4, w.packed, w.scales, w.offsets, w.group_size
+        if isinstance(w, Fp8Weight):
+            return FP8, w.data, w.scale.reshape(-1), w.scale, 1
+        return DENSE, w, w, w, 1
+
+    @staticmethod
+    def _gemv_fits(x, w) -> bool:
+        if x.shape[0] > GEMV_MAX_ROWS or x.shape[1] > GEMV_MAX_K:
+            return False
+        if isinstance(w, Int4Weight):
+            return _pow2(x.shape[1]) % w.group_size == 0 and w.group_size % 2 == 0
+        if isinstance(w, Fp8Weight):
+            return w.per_channel
+        return w.dtype == x.dtype
+
+    def gemv(self, x, w, residual=None, norm_w=None, eps=0.0, silu=False, with_residual=False, config=None):
+        """Few-row x @ w.T as one Triton pass over w, optionally with the add+rmsnorm prologue / silu epilogue."""
+        rows, k = x.shape
         n_out = w.shape[0] // 2 if silu else w.shape[0]
         out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
         has_res = residual is not None
         res_out = torch.empty_like(x) if has_res else x
-        block_n = 8 if k <= 2048 else 4
+        block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k)
+        kind, data, scales, offsets, group = self._weight_kind(w)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), rows)](
-            x, residual if has_res else x, res_out, norm_w, w, out, k, n_out, eps, HAS_NORM=True, HAS_RES=has_res,
-            SILU=silu, BLOCK_N=block_n, BLOCK_K=_pow2(k), num_warps=4)
-        return out, res_out
+            x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
+            k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
+            BLOCK_N=block_n, BLOCK_K=_pow2(k), num_warps=warps)
+        return (out, res_out) if with_residual else out
+
+    def decode_inputs(self, positions, live, tables, block_size):
+        """Slot and context length of each row's next token, from its position and block table (-1 / 0 if idle)."""
+        rows = positions.shape[0]
+        slots = torch.empty(rows, dtype=torch.int64, device=positions.device)
+        ctx = torch.empty(rows, dtype=torch.int32, device=positions.device)
+        _decode_inputs_kernel[(1,)](positions, live, tables, slots, ctx, rows, tables.stride(0),
+                                    BLOCK_SIZE=block_size, BLOCK=_pow2(rows))
+        return slots, ctx
+
+    def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
+        rows = tokens.shape[0]
+        _decode_advance_kernel[(1,)](tokens, ids, positions, out_tokens, step_index, rows, out_tokens.stride(0),
+                                     BLOCK=_pow2(rows))

@@ -52,6 +52,7 @@ class CudaGraphRunner(ModelRunner):
         self.graph_captures = 0
         self.graph_replays = 0
         self.decode_steps_run = 0  # device decode steps, look-ahead included
+        self.max_decode_steps = MAX_DECODE_STEPS  # 1 turns the look-ahead off (same graphs, one step a round trip)
         profile = self.profile
         # Graph decode needs every step's hidden states to stay on the device: not with speculative decoding.
         self.use_graphs = profile.cuda_graphs and profile.spec == "none"
@@ -130,7 +131,7 @@ class CudaGraphRunner(ModelRunner):
 
     def _chunk_steps(self, batch: list[ScheduledSeq]) -> int:
         """Steps whose KV slots every sequence already owns and whose tokens every sequence still wants."""
-        steps = MAX_DECODE_STEPS
+        steps = self.max_decode_steps
         for item in batch:
             seq = item.seq
             room = len(seq.block_table) * self.block_size - seq.num_computed
@@ -183,26 +184,23 @@ class CudaGraphRunner(ModelRunner):
 
     def _decode_body(self, rows: int, greedy: bool) -> None:
         """One decode step on the static buffers: model, sampling, and the next step's inputs, all on device."""
+        k = self.kernels
         ids, positions, valid, request_seed, top_k = (self.dev_ints[i, :rows] for i in range(len(_INT_FIELDS)))
         temperature, top_p = self.dev_floats[0, :rows], self.dev_floats[1, :rows]
         tables = self.dev_tables[:rows]
-        live = valid.bool()
-        block = tables.gather(1, (positions // self.block_size).clamp(max=self.table_width - 1).unsqueeze(1))
-        slots = torch.where(live, block.squeeze(1).long() * self.block_size + positions % self.block_size, -1)
+        slots, context_lens = k.decode_inputs(positions, valid, tables, self.block_size)
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start=self.query_start[: rows + 1],
-            context_lens=torch.where(live, positions + 1, 0).int(),
+            context_lens=context_lens,
             block_tables=tables,
             max_query_len=1,
             max_context_len=self.table_width * self.block_size,
         )
-        hidden = forward(self.model, self.kernels, ids, positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden)
-        sampling = SamplingTensors(temperature, top_k, top_p, (request_seed * 1_000_003 + positions + 1) & _SEED_MASK,
-                                   all_greedy=greedy)
-        tokens = self.kernels.sample(logits, sampling)
-        self.out_tokens[:, :rows].index_copy_(0, self.step_index, tokens.unsqueeze(0))
-        ids.copy_(tokens)
-        positions.add_(1)
-        self.step_index.add_(1)
+        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
+        # 16-bit logits: argmax over them equals argmax over their exact fp32 widening, and sample() widens
+        # itself when it needs probabilities, so the [rows, vocab] fp32 copy compute_logits makes is skipped.
+        logits = k.linear(hidden, self.model.lm_head)
+        seeds = positions if greedy else (request_seed * 1_000_003 + positions + 1) & _SEED_MASK  # unused if greedy
+        tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
+        k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)

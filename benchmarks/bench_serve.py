@@ -1,0 +1,150 @@
+"""Serving over HTTP: `flashnext serve` driven by the official `openai` client, N streamed requests at concurrency C.
+
+Reports, as the client sees them: request/s, output tok/s, TTFT and inter-token latency percentiles (p50/p90/p99).
+Prompts are distinct random token ids (the prefix cache never helps, tokenization is not timed) and every request
+generates its drawn output length (EOS ignored), so a run is repeatable for a given --seed. Compare with
+benchmarks/bench_engine.py on the same shape for the cost of the HTTP layer.
+
+    python benchmarks/bench_serve.py --backend cpu --num-requests 64 --concurrency 16 --json out.json
+    python benchmarks/bench_serve.py --url http://127.0.0.1:8000      # a server that is already running
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+
+import httpx
+import numpy as np
+import openai
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flashnext.core.cli_bench import machine_name
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server; otherwise one is started with the flags below")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--model", help="default: the embedded SmolLM2-135M")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prompt-len", default="32,512", help="MIN,MAX prompt tokens (uniform)")
+    p.add_argument("--gen-len", default="16,128", help="MIN,MAX generated tokens (uniform)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path")
+    return p.parse_args(argv)
+
+
+def _span(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split(","))
+    return low, high
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from flashnext.core.cli import main; main()", "serve", "--port", str(port),
+           "--backend", args.backend, "--log-level", "warning"]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health").json()["status"] == "ok":
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not become healthy")
+
+
+async def one_request(client, model: str, prompt: list[int], gen_len: int) -> dict:
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=gen_len, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage:
+            tokens = chunk.usage.completion_tokens
+    gaps = np.diff(stamps).tolist()
+    return {"ttft": stamps[0] - start, "gaps": gaps, "tokens": tokens, "latency": time.perf_counter() - start}
+
+
+async def drive(url: str, args) -> tuple[list[dict], float, str]:
+    rng = random.Random(args.seed)
+    (p_lo, p_hi), (g_lo, g_hi) = _span(args.prompt_len), _span(args.gen_len)
+    # Ids below 256 exist in every byte-level vocabulary, so any served model takes these prompts.
+    jobs = [([rng.randrange(256) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(g_lo, g_hi))
+            for _ in range(args.num_requests)]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"),
+                                max_retries=0, timeout=3600)
+    model = (await client.models.list()).data[0].id
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def limited(job):
+        async with gate:
+            return await one_request(client, model, *job)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(limited(job) for job in jobs))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return results, elapsed, model
+
+
+def summarize(results: list[dict], elapsed: float) -> dict:
+    ttft = np.array([r["ttft"] for r in results])
+    gaps = np.array([g for r in results for g in r["gaps"]] or [0.0])
+    tokens = sum(r["tokens"] for r in results)
+    pct = lambda a: {f"p{q}": round(float(np.percentile(a, q)) * 1000, 2) for q in (50, 90, 99)}  # noqa: E731
+    return {"duration_s": round(elapsed, 3), "requests_per_s": round(len(results) / elapsed, 3),
+            "output_tok_s": round(tokens / elapsed, 2), "output_tokens": tokens,
+            "ttft_ms": pct(ttft), "itl_ms": pct(gaps)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    proc, url = (None, args.url) if args.url else start_server(args)
+    try:
+        health = httpx.get(f"{url}/health").json()
+        results, elapsed, model = asyncio.run(drive(url, args))
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait(30)
+    row = {"machine": machine_name(torch.device("cuda" if health["backend"] != "cpu" else "cpu")),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": health["backend"],
+           "model": model, "precision": health["precision"], "profile": health["profile"],
+           "num_requests": args.num_requests, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
+           "gen_len": args.gen_len, **summarize(results, elapsed), "flashnext": version("flashnext")}
+    table = Table("backend", "model", "reqs", "conc", "req/s", "out tok/s", "TTFT p50/p90/p99 ms",
+                  "ITL p50/p90/p99 ms", title=f"flashnext serve over HTTP ({row['machine']})")
+    table.add_row(row["backend"], model, str(args.num_requests), str(args.concurrency), f"{row['requests_per_s']}",
+                  f"{row['output_tok_s']}", "/".join(str(v) for v in row["ttft_ms"].values()),
+                  "/".join(str(v) for v in row["itl_ms"].values()))
+    Console().print(table)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump([row], f, indent=2)
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Batch-1 decode speed with speculative decoding (ngram / mtp) against none, with acceptance numbers beside.
+
+Two prompt kinds: copy-heavy (repeat / correct / edit a given text: the output re-uses the prompt, so n-gram drafts
+hit) and free-form (the output is new text: drafts rarely hit, and adaptive mode must not cost more than 5%).
+Every method decodes the same greedy tokens (speculative decoding is lossless), so tok/s compare like for like.
+
+    python benchmarks/bench_spec.py --backend cpu --gen-len 64 --json spec_cpu.json       # the embedded SmolLM2
+    python benchmarks/bench_spec.py --backend cuda --model Qwen/Qwen3-0.6B --json spec_h200.json
+    python benchmarks/bench_spec.py --backend cuda --shape qwen3-0.6b                     # random weights: timing only
+
+With --shape the weights are random and the prompts are token ids (a random passage repeated for copy-heavy),
+so the acceptance numbers say what the random model happened to repeat, not what a real model would.
+"""
+
+import argparse
+import json
+import random
+import time
+from datetime import datetime, timezone
+from importlib.metadata import version
+
+from rich.console import Console
+from rich.table import Table
+
+from flashnext.core import registry
+from flashnext.core.cli_bench import SHAPES, machine_name, random_model
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.llm import LLM
+from flashnext.core.loader import load_model
+
+PASSAGE = (
+    "The harbour town woke slowly. Fishermen pulled their boats up the shingle, the baker opened his shutters, and "
+    "the ferry to the island sounded its horn twice before leaving at seven. By nine the market square was full: "
+    "crates of apples, bolts of blue cloth, a man selling brass compasses that never quite pointed north. "
+    "Children ran between the stalls while their parents argued about the price of eggs."
+)
+CODE = (
+    "def total_price(items, tax):\n"
+    "    x = 0\n"
+    "    for item in items:\n"
+    "        x += item.price * item.quantity\n"
+    "    x = x * (1 + tax)\n"
+    "    return round(x, 2)\n"
+)
+COPY_HEAVY = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    "Correct the spelling mistakes in this text and print the whole corrected text:\n\n"
+    + PASSAGE.replace("slowly", "slowley").replace("opened", "opend").replace("market", "markett"),
+    f"Rename the variable x to subtotal in this Python function and print the whole function:\n\n{CODE}",
+]
+FREE_FORM = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how photosynthesis works to a ten-year-old.",
+    "Give five ideas for a rainy-day activity and say why each one is fun.",
+]
+# Method name -> profile overrides.
+METHODS = {
+    "none": {"spec": "none"},
+    "ngram": {"spec": "ngram", "spec_adaptive": True},
+    "ngram-fixed": {"spec": "ngram", "spec_adaptive": False},
+    "mtp": {"spec": "mtp", "spec_adaptive": True},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--model", help="model path or HF id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this model's shape instead of --model")
+    p.add_argument("--precision")
+    p.add_argument("--profile")
+    p.add_argument("--methods", default="none,ngram,ngram-fixed", help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
+    p.add_argument("--json", dest="json_path", help="write the result list here")
+    args = p.parse_args(argv)
+    if args.model and args.shape:
+        p.error("give --model or --shape, not both")
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        p.error(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
+    return args
+
+
+def prompt_sets(llm: LLM, random_weights: bool) -> dict[str, list[list[int]]]:
+    if not random_weights:
+        return {kind: [llm.encode(p, chat=llm.tokenizer.chat_template is not None) for p in prompts]
+                for kind, prompts in (("copy-heavy", COPY_HEAVY), ("free-form", FREE_FORM))}
+    rng, vocab = random.Random(0), llm.engine.config.vocab_size
+    passages = [[rng.randrange(vocab) for _ in range(96)] for _ in range(3)]
+    return {"copy-heavy": [p + p[:8] for p in passages], "free-form": [p[:104] for p in passages[::-1]]}
+
+
+def decode_run(llm: LLM, prompt: list[int], gen_len: int) -> tuple[float, int, list[int]]:
+    """(decode seconds after the first token, decoded tokens after the first, output ids) for one request."""
+    engine = llm.engine
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    first = None
+    while seq.finish_reason is None:
+        engine.step()
+        if first is None and seq.output_ids:
+            first = time.perf_counter()
+    return time.perf_counter() - first, len(seq.output_ids) - 1, seq.output_ids
+
+
+def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
+    llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile,
+              spec_tokens=args.spec_tokens, **METHODS[method])
+    decode_run(llm, next(iter(prompts.values()))[0], 8)  # warm-up
+    rows = []
+    for kind, kind_prompts in prompts.items():
+        before = llm.engine.spec_stats()
+        seconds, tokens, outputs = 0.0, 0, []
+        for prompt in kind_prompts:
+            runs = [decode_run(llm, prompt, args.gen_len) for _ in range(args.repeats)]
+            best = min(runs, key=lambda r: r[0])
+            seconds, tokens = seconds + best[0], tokens + best[1]
+            outputs.append(best[2])
+        after = llm.engine.spec_stats()
+        drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
+        drafts = after["drafts"] - before["drafts"]
+        rows.append({
+            "method": method, "prompts": kind, "decode_tok_s": round(tokens / seconds, 2),
+            "drafts": drafts, "drafted": drafted, "accepted": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+            "outputs": outputs,
+        })
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.shape:
+        device = registry.select(registry.discover(), args.backend).backend.device()
+        loaded = random_model(args.shape, device)
+    else:
+        loaded = load_model(args.model)
+    methods = args.methods.split(",")
+    first = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile)
+    prompts = prompt_sets(first, random_weights=bool(args.shape))
+    common = {
+        "machine": machine_name(first.engine.model.device), "backend": first.info.backend,
+        "model": args.shape or first.info.model, "precision": first.engine.precision.name,
+        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "batch_size": 1,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),
+    }
+    del first
+    rows = [row for method in methods for row in bench_method(args, loaded, method, prompts)]
+    baseline = {r["prompts"]: r for r in rows if r["method"] == "none"}
+    for r in rows:
+        base = baseline.get(r["prompts"])
+        r["speedup_vs_none"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3) if base else None
+        # Speculative decoding is lossless: the same greedy tokens as none, or the run is wrong.
+        r["same_output_as_none"] = r["outputs"] == base["outputs"] if base else None
+    for r in rows:
+        del r["outputs"]
+    results = [common | r for r in rows]
+    table = Table(title=f"speculative decoding, batch 1 · {common['machine']} · {common['model']}")
+    for col in ("prompts", "method", "decode tok/s", "× none", "accept rate", "mean accept len", "lossless"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["prompts"], r["method"], f"{r['decode_tok_s']:.1f}", f"{r['speedup_vs_none'] or 0:.2f}",
+                      f"{r['acceptance_rate']:.2f}", f"{r['mean_acceptance_length']:.2f}",
+                      str(r["same_output_as_none"]))
+    Console().print(table)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

