@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timezone
 from importlib.metadata import version
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -73,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--spec-tokens", type=int, default=4)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared VM)")
     p.add_argument("--json", dest="json_path", help="write the result list here")
     args = p.parse_args(argv)
     if args.model and args.shape:
@@ -132,6 +134,8 @@ def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.shape:
         device = registry.select(registry.discover(), args.backend).backend.device()
         loaded = random_model(args.shape, device)

@@ -47,6 +47,14 @@ class Backend:
     def activation_dtype(self, precision: Precision) -> torch.dtype:
         return precision.activation_dtype
 
+    def head_dtype(self, precision: Precision) -> torch.dtype:
+        """Storage of the LM head, the largest single matrix of small models."""
+        return self.activation_dtype(precision)
+
+    def preferred_precision(self, weights: dict) -> str:
+        """The precision used when none is asked for; may depend on how the checkpoint is stored."""
+        return self.default_precision
+
     def free_memory_bytes(self) -> int:
         """Memory the KV cache may draw from, measured after the weights are loaded."""
         raise NotImplementedError

@@ -35,6 +35,7 @@ class DecoderModel:
         precision: Precision,
         device: torch.device,
         activation_dtype: torch.dtype,
+        head_dtype: torch.dtype | None = None,
     ):
         self.config, self.kernels, self.precision = config, kernels, precision
         self.device, self.dtype = device, activation_dtype
@@ -43,7 +44,11 @@ class DecoderModel:
         self.layers = [self._layer(take, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.norm = take.dense("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else take.dense("lm_head.weight")
+        head_dtype = head_dtype or activation_dtype
+        # A tied head shares the embedding table unless the backend stores it in another dtype.
+        self.lm_head = self.embed if tied and head_dtype == activation_dtype else take.dense(
+            "model.embed_tokens.weight" if tied else "lm_head.weight", head_dtype
+        )
         self.cos_sin = rope_cache(config, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -108,11 +113,11 @@ class _WeightTaker:
             raise UserError(f"checkpoint lacks tensor '{name}': the file is incomplete or not a supported model")
         return self.weights[name]
 
-    def dense(self, name: str) -> torch.Tensor:
+    def dense(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = self._get(name)
         w = w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)
         validate_weight(name, w)
-        return w.to(device=self.device, dtype=self.dtype)
+        return w.to(device=self.device, dtype=dtype or self.dtype)
 
     def bias(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self.dense(n) for n in names])

@@ -29,7 +29,7 @@ class StepOutput:
 class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
         self.backend, self.profile, self.config = backend, profile, loaded.config
-        self.precision = backend.check_request(precision or backend.default_precision, profile)
+        self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self.model = DecoderModel(
             loaded.config,
             loaded.weights,
@@ -37,6 +37,7 @@ class LLMEngine:
             self.precision,
             backend.device(),
             backend.activation_dtype(self.precision),
+            backend.head_dtype(self.precision),
         )
         self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

@@ -5,9 +5,10 @@ import torch
 
 from flashnext.core.backend import Backend, Probe
 from flashnext.core.hookspecs import hookimpl
+from flashnext.core.precision import Int4Weight
 from flashnext.core.profile import Profile
 
-from .kernels import CpuKernels
+from .kernels import EXPANDED_DTYPE, CpuKernels
 
 
 class CpuBackend(Backend):
@@ -38,6 +39,14 @@ class CpuBackend(Backend):
     def activation_dtype(self, precision):
         # Quantized weights are expanded to fp32 on the CPU: fp32 GEMMs are the fast path there.
         return precision.activation_dtype if precision.name in ("bf16", "fp16") else torch.float32
+
+    def head_dtype(self, precision):
+        # With quantized projections the fp32 LM head would be half of all bytes read per token.
+        return EXPANDED_DTYPE if precision.bits < 16 else self.activation_dtype(precision)
+
+    def preferred_precision(self, weights: dict) -> str:
+        # A checkpoint stored in 4 bits (GGUF Q4) runs as int4: same numerics as expanding it to fp32, half the bytes.
+        return "int4" if any(isinstance(w, Int4Weight) for w in weights.values()) else self.default_precision
 
     def free_memory_bytes(self) -> int:
         return psutil.virtual_memory().available

@@ -6,13 +6,19 @@ import torch.nn.functional as F
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels
 from flashnext.core.precision import Fp8Weight, Int4Weight
 
+# Quantized weights are expanded to fp16 once, on first use. Measured on a 2-core AVX-512 VM (docs/benchmarks.md):
+# a decode pass over SmolLM2's projections takes 16 ms from fp16, 47 ms from fp32 and far longer through torch's
+# int4 CPU matmul, because batch-1 decode streams every weight from memory and fp16 halves the bytes of fp32.
+EXPANDED_DTYPE = torch.float16
+PREFILL_ROWS = 8
+
 
 class CpuKernels(ReferenceKernels):
     def __init__(self):
-        # Quantized weights expanded once, on first use: on the CPU a dense fp32 GEMM beats any dequantize-per-call
-        # path at these sizes, and the quantized form stays the source of truth (it is what was validated).
         # Keyed by id() but holding the weight too, so a freed weight's id can never alias a cached tensor.
-        self._expanded: dict[int, tuple[object, torch.Tensor]] = {}
+        self._expanded: dict[int, tuple[object, torch.Tensor, bool]] = {}
+        self._rope_key: tuple[object, object] | None = None
+        self._rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rmsnorm(self, x, weight, eps):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -21,16 +27,46 @@ class CpuKernels(ReferenceKernels):
         residual = x + residual
         return F.rms_norm(residual, (x.shape[-1],), weight, eps), residual
 
+    def rope(self, q, k, positions, cos_sin):
+        # Every layer of a step rotates by the same positions: gather the table rows once per step.
+        if self._rope_key is None or self._rope_key[0] is not positions or self._rope_key[1] is not cos_sin:
+            self._rope_key = (positions, cos_sin)
+            self._rope_cos_sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._rope_cos_sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if bool((slot_mapping < 0).any()):  # padded rows: the reference masks them out
+            return super().store_kv(k, v, k_cache, v_cache, slot_mapping)
+        for new, cache in ((k, k_cache), (v, v_cache)):
+            new = new.to(cache.dtype)
+            if cache.dtype.itemsize == 1:  # index_copy_ has no float8 kernel: move the bytes
+                new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
+
     def linear(self, x, w, bias=None):
         if isinstance(w, (Int4Weight, Fp8Weight)):
-            w = self._dense(w, x.dtype)
-        return F.linear(x, w, bias)
+            dense, bounded = self._dense(w)
+        else:  # a dense weight in another dtype than x: an fp16 LM head is trusted, anything else widened
+            dense, bounded = w, w.dtype == EXPANDED_DTYPE
+        if dense.dtype == x.dtype:
+            return F.linear(x, dense, bias)
+        if x.shape[0] >= PREFILL_ROWS or not bounded:
+            # Compute-bound (many rows) or a weight whose fp16 product could overflow: widen it for this call.
+            return F.linear(x, dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        # fp16 holds only ±65504: each row runs scaled to unit max, so large activations neither overflow nor lose
+        # bits, and `bounded` guarantees the products of unit rows stay inside the range.
+        row_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        out = F.linear((x / row_scale).to(dense.dtype), dense).to(x.dtype) * row_scale
+        return out if bias is None else out + bias.to(x.dtype)
 
-    def _dense(self, w, dtype) -> torch.Tensor:
+    def _dense(self, w) -> tuple[torch.Tensor, bool]:
         entry = self._expanded.get(id(w))
         if entry is None or entry[0] is not w:
-            entry = self._expanded[id(w)] = (w, w.dequantize(dtype))
-        return entry[1]
+            dense = w.dequantize(torch.float32)
+            bounded = _bounded(dense)
+            entry = self._expanded[id(w)] = (w, dense.to(EXPANDED_DTYPE) if bounded else dense, bounded)
+        return entry[1], entry[2]
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -53,3 +89,13 @@ class CpuKernels(ReferenceKernels):
             out[start : start + q_len] = attended[0].transpose(0, 1)
             start += q_len
         return out
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _bounded(w: torch.Tensor) -> bool:
+    """Whether a row of unit max times this weight stays within fp16 (|out| <= K * max|w|)."""
+    return bool(w.shape[-1] * w.abs().max() < torch.finfo(EXPANDED_DTYPE).max)
