@@ -27,6 +27,26 @@ class AttentionMetadata:
     query_lens_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
 
+    @classmethod
+    def from_host(cls, slots: list[int], query_lens: list[int], context_lens: list[int],
+                  block_tables: list[list[int]], device) -> "AttentionMetadata":
+        """Built from host lists: one row per sequence, block tables padded with -1 to the longest."""
+        width = max(len(t) for t in block_tables)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        i32 = torch.int32
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start=torch.tensor(starts, dtype=i32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=i32, device=device),
+            block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=i32, device=device),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            query_lens_host=tuple(query_lens),
+            context_lens_host=tuple(context_lens),
+        )
+
 
 @dataclass
 class SamplingTensors:

@@ -67,19 +67,9 @@ class ModelRunner:
                 top_ks.append(seq.params.top_k)
                 top_ps.append(seq.params.top_p)
                 seeds.append(noise_seed(seq.seed, start + n - item.num_logits + r + 1))
-        max_blocks = max(len(item.seq.block_table) for item in batch)
-        tables = [item.seq.block_table + [-1] * (max_blocks - len(item.seq.block_table)) for item in batch]
-        dev, i32 = self.device, torch.int32
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start=torch.tensor([0] + _cumsum(query_lens), dtype=i32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=i32, device=dev),
-            block_tables=torch.tensor(tables, dtype=i32, device=dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            query_lens_host=tuple(query_lens),
-            context_lens_host=tuple(context_lens),
-        )
+        dev = self.device
+        tables = [item.seq.block_table for item in batch]
+        meta = AttentionMetadata.from_host(slots, query_lens, context_lens, tables, dev)
         sampling = SamplingTensors(
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=dev),
@@ -103,11 +93,3 @@ class ModelRunner:
 def noise_seed(request_seed: int, position: int) -> int:
     """Sampling noise keyed by (request seed, position of the token drawn): batch-independent and repeatable."""
     return (request_seed * 1_000_003 + position) & ((1 << 62) - 1)
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

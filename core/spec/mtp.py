@@ -97,7 +97,7 @@ class MtpDrafter:
         return self.model.compute_logits(k.rmsnorm(state, self.head_norm, self.model.config.rms_norm_eps)).argmax(-1)
 
     def _metadata(self, spans) -> tuple[torch.Tensor, AttentionMetadata]:
-        bs, dev, i32 = self.block_size, self.model.device, torch.int32
+        bs, dev = self.block_size, self.model.device
         positions, slots, query_lens, context_lens = [], [], [], []
         for seq, start, count in spans:
             span = range(start, start + count)
@@ -105,17 +105,6 @@ class MtpDrafter:
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
             query_lens.append(count)
             context_lens.append(start + count)
-        width = max(len(seq.block_table) for seq, _, _ in spans)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq, _, _ in spans]
-        starts = [0, *accumulate(query_lens)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start=torch.tensor(starts, dtype=i32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=i32, device=dev),
-            block_tables=torch.tensor(tables, dtype=i32, device=dev),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-            query_lens_host=tuple(query_lens),
-            context_lens_host=tuple(context_lens),
-        )
+        tables = [seq.block_table for seq, _, _ in spans]
+        meta = AttentionMetadata.from_host(slots, query_lens, context_lens, tables, dev)
         return torch.tensor(positions, dtype=torch.int64, device=dev), meta
