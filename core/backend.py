@@ -59,6 +59,11 @@ class Backend:
         """Memory the KV cache may draw from, measured after the weights are loaded."""
         raise NotImplementedError
 
+    def peak_memory_bytes(self, run) -> int | None:
+        """Memory `run()` needs at its peak beyond what is allocated now, or None (without running it) where the
+        device cannot measure it; the engine then sizes the KV cache without a warm-up pass."""
+        return None
+
     def runner_class(self, profile: Profile):
         from .engine.runner import ModelRunner
 

@@ -220,3 +220,31 @@ def test_llm_stream_yields_what_generate_returns_and_closing_it_frees_blocks(tin
     next(stream)
     stream.close()  # a client that goes away mid-stream
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks and not llm.engine.has_work()
+
+
+def test_kv_budget_leaves_room_for_the_warm_up_peak(tiny_llama):
+    """Where a backend can measure memory, a warm-up prefill runs first and its peak comes off the KV budget."""
+    from flashnext.core.engine.engine import GIB, LLMEngine
+    from flashnext.core.loader import load_model
+    from flashnext.plugins.cpu import CpuBackend
+
+    class Measuring(CpuBackend):
+        runs = 0
+
+        def free_memory_bytes(self):
+            return 2 * GIB
+
+        def peak_memory_bytes(self, run):
+            Measuring.runs += 1
+            run()
+            return 3 * GIB // 2  # pretend the prefill needed three quarters of what is free
+
+    loaded = load_model(str(tiny_llama))
+    profile = CpuBackend().profiles()["full"].overridden(memory_utilization=1.0, kv_cache_max_gib=None,
+                                                       max_num_seqs=4096)
+    plain = LLMEngine(CpuBackend(), loaded, "fp32", profile.overridden(kv_cache_max_gib=2.0))
+    measured = LLMEngine(Measuring(), loaded, "fp32", profile)
+    assert Measuring.runs == 1
+    block_bytes = plain.runner.kv_bytes_per_block(plain.model, profile.block_size, plain.kv_dtype)
+    assert measured.blocks.num_blocks == (GIB // 2) // block_bytes
+    assert plain.blocks.num_blocks > measured.blocks.num_blocks

@@ -13,6 +13,7 @@ from ..profile import Profile
 from ..spec.decoder import SpecDecoder
 from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
+from .runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SamplingParams, Sequence
 
@@ -46,7 +47,7 @@ class LLMEngine:
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
             block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
-        num_blocks = self._num_blocks(block_bytes)
+        num_blocks = self._num_blocks(block_bytes, self._activation_peak())
         self.runner = runner_class(self.model, num_blocks, profile.block_size, self.kv_dtype)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
@@ -62,9 +63,22 @@ class LLMEngine:
             raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
         return PRECISIONS[name].storage_dtype
 
-    def _num_blocks(self, block_bytes: int) -> int:
-        """Blocks that fit the memory budget, but no more than the configured batch could ever use."""
-        budget = self.backend.free_memory_bytes() * self.profile.memory_utilization
+    def _activation_peak(self) -> int:
+        """Peak memory of a full-budget prefill, measured by a warm-up pass over a throwaway cache."""
+        tokens = min(self.profile.max_num_batched_tokens, self.max_model_len - 1)
+        blocks = -(-tokens // self.profile.block_size)
+
+        def warm_up():  # its one-prompt cache counts in the peak too: a slightly conservative budget
+            seq = Sequence([i % self.config.vocab_size for i in range(tokens)], SamplingParams(max_tokens=1))
+            seq.block_table = list(range(blocks))
+            ModelRunner(self.model, blocks, self.profile.block_size, self.kv_dtype).run([ScheduledSeq(seq, tokens, 1)])
+
+        return self.backend.peak_memory_bytes(warm_up) or 0
+
+    def _num_blocks(self, block_bytes: int, activation_peak: int = 0) -> int:
+        """Blocks that fit the memory budget (after the warm-up's activation peak), but no more than the
+        configured batch could ever use."""
+        budget = self.backend.free_memory_bytes() * self.profile.memory_utilization - activation_peak
         if self.profile.kv_cache_max_gib is not None:
             budget = min(budget, self.profile.kv_cache_max_gib * GIB)
         useful = self.profile.max_num_seqs * -(-self.max_model_len // self.profile.block_size)

@@ -39,7 +39,7 @@ class CudaBackend(Backend):
         "cuda_graphs": True,  # decode steps replay captured graphs, several per host round trip (runner.py)
         "chunked_prefill": True,
         "prefix_caching": True,
-        "spec_decode": False,
+        "spec_decode": True,  # n-gram verify steps replay a captured K + 1 graph (runner.py); MTP runs eagerly
         "fp8_kv_cache": True,  # e5m2 (widened by a byte shift) or e4m3, inside the attention kernel
         "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
         # fp8-e4m3 weights, per-channel scales: 16-bit activations in the batch-1 GEMV, per-token fp8 activations
@@ -82,7 +82,16 @@ class CudaBackend(Backend):
 
     def free_memory_bytes(self) -> int:
         free, _total = torch.cuda.mem_get_info()
-        return free
+        # Blocks torch's caching allocator holds but no tensor uses are free to us, not to the driver.
+        return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    def peak_memory_bytes(self, run) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
 
 
 @hookimpl

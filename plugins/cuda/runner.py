@@ -6,8 +6,14 @@ sampled token back as the next step's input (with position, slot and context len
 One host round trip then runs up to MAX_DECODE_STEPS steps back to back, bounded by the KV slots the scheduler
 already gave each sequence and by its remaining max_tokens; the engine is handed one token per step from that
 look-ahead. Sampling noise is keyed by (seed, position), so the look-ahead tokens are exactly the tokens that
-step-by-step decoding would draw. Prefill, mixed batches, batches larger than the largest bucket and speculative
-verification run eagerly on the same fused kernels.
+step-by-step decoding would draw.
+
+With n-gram speculative decoding, a verify step (each sequence: its last token + up to K drafts) replays a graph
+too: K + 1 query rows per sequence and bucket, a sequence's real tokens at the end of its rows (the attention kernel
+puts the last query at the context's end), pad rows in front writing no KV (slot -1), every row sampled on the
+device, one host sync per step. Drafting happens on the host between steps. MTP drafts from the step's hidden
+states, so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the
+same fused kernels.
 """
 
 from dataclasses import dataclass
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashnext.core.engine.runner import ModelRunner, StepInputs
+from flashnext.core.engine.runner import ModelRunner, StepInputs, noise_seed
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
@@ -24,18 +30,22 @@ from flashnext.core.profile import Profile
 from .forward import forward
 
 MAX_DECODE_STEPS = 16
+# A request whose drafts keep landing drafts again at once, and a verify step beats decoding the look-ahead:
+# its decode chunks stay short. Others decode long chunks; drafts that turn up meanwhile are checked against them.
+SPEC_DECODE_STEPS = 4
+DRAFTS_LANDING = 0.5  # rolling acceptance above which a request counts as drafting well
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
 _FLOAT_FIELDS = ("temperature", "top_p")
+_VERIFY_INT_FIELDS = ("input_ids", "positions", "slots", "noise_seed", "top_k")
 
 
 @dataclass
 class _Lookahead:
     seqs: list[Sequence]
     start_positions: list[int]
-    tokens: np.ndarray  # [steps, batch] sampled tokens
-    used: int  # steps already handed to the engine
+    tokens: np.ndarray  # [steps, batch]: step s sampled the token at position start + s + 1
 
 
 class CudaGraphRunner(ModelRunner):
@@ -54,10 +64,12 @@ class CudaGraphRunner(ModelRunner):
         self.decode_steps_run = 0  # device decode steps, look-ahead included
         self.max_decode_steps = MAX_DECODE_STEPS  # 1 turns the look-ahead off (same graphs, one step a round trip)
         profile = self.profile
-        # Graph decode needs every step's hidden states to stay on the device: not with speculative decoding.
-        self.use_graphs = profile.cuda_graphs and profile.spec == "none"
+        # Graphs hand no hidden states to the host: n-gram drafting needs none, MTP drafting does (stays eager).
+        self.use_graphs = profile.cuda_graphs and profile.spec != "mtp"
+        self.verify_len = 1 + profile.spec_tokens if profile.spec == "ngram" else 0  # query rows a sequence
+        self.verify_steps_run = 0
         self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, query rows)
         self._ahead: _Lookahead | None = None
         if self.use_graphs and self.buckets:
             self._init_static(max(self.buckets))
@@ -68,76 +80,119 @@ class CudaGraphRunner(ModelRunner):
         cfg, dev = self.model.config, self.device
         max_len = min(self.profile.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.table_width = -(-max_len // self.block_size)
-        self.host_ints = torch.zeros(len(_INT_FIELDS), rows, dtype=torch.int64, pin_memory=True)
-        self.host_floats = torch.zeros(len(_FLOAT_FIELDS), rows, dtype=torch.float32, pin_memory=True)
-        self.host_tables = torch.zeros(rows, self.table_width, dtype=torch.int32, pin_memory=True)
-        self.host_out = torch.zeros(MAX_DECODE_STEPS, rows, dtype=torch.int64, pin_memory=True)
+        cuda = dev.type == "cuda"  # the CPU tests run the step bodies eagerly, without graphs
+        pinned = {"pin_memory": cuda}
+        self.host_ints = torch.zeros(len(_INT_FIELDS), rows, dtype=torch.int64, **pinned)
+        self.host_floats = torch.zeros(len(_FLOAT_FIELDS), rows, dtype=torch.float32, **pinned)
+        self.host_tables = torch.zeros(rows, self.table_width, dtype=torch.int32, **pinned)
+        self.host_out = torch.zeros(MAX_DECODE_STEPS, rows, dtype=torch.int64, **pinned)
         self.dev_ints = self.host_ints.to(dev)
         self.dev_floats = self.host_floats.to(dev)
         self.dev_tables = self.host_tables.to(dev)
         self.out_tokens = torch.zeros(MAX_DECODE_STEPS, rows, dtype=torch.int64, device=dev)
         self.step_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.copy_done = torch.cuda.Event()
+        if self.verify_len:
+            t = rows * self.verify_len
+            self.host_verify_ints = torch.zeros(len(_VERIFY_INT_FIELDS), t, dtype=torch.int64, **pinned)
+            self.host_verify_floats = torch.zeros(len(_FLOAT_FIELDS), t, dtype=torch.float32, **pinned)
+            self.host_context = torch.zeros(rows, dtype=torch.int32, **pinned)
+            self.host_verify_out = torch.zeros(t, dtype=torch.int64, **pinned)
+            self.dev_verify_ints = self.host_verify_ints.to(dev)
+            self.dev_verify_floats = self.host_verify_floats.to(dev)
+            self.dev_context = self.host_context.to(dev)
+            self.verify_tokens = torch.zeros(t, dtype=torch.int64, device=dev)
+            self.verify_query_start = torch.arange(0, t + 1, self.verify_len, dtype=torch.int32, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.copy_done = torch.cuda.Event() if cuda else None
 
     # --- the step ------------------------------------------------------------------------------------------
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return forward(self.model, self.kernels, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def run(self, batch: list[ScheduledSeq]):
-        if self.use_graphs and self._graphable(batch):
-            return None, self._decode(batch)
+        if self.use_graphs and len(batch) <= self.buckets[-1]:
+            cached = self._from_lookahead(batch)
+            if cached is not None:
+                return None, cached
+            if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
+                return None, self._decode(batch)
+            if self._verifiable(batch):
+                self._ahead = None
+                return None, self._verify(batch)
         self._ahead = None
         return super().run(batch)
 
-    def _graphable(self, batch: list[ScheduledSeq]) -> bool:
-        return len(batch) <= self.buckets[-1] and all(i.num_tokens == 1 and i.num_logits == 1 for i in batch)
+    def _verifiable(self, batch: list[ScheduledSeq]) -> bool:
+        """Every sequence sends its last token + drafts and wants a token for each: the verify graph's shape."""
+        return bool(self.verify_len) and all(1 <= i.num_logits == i.num_tokens <= self.verify_len for i in batch)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        cached = self._take_lookahead(batch)
-        if cached is not None:
-            return cached
         steps = self._chunk_steps(batch)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         self._fill_inputs(batch, bucket)
-        graph = self.graphs.get((bucket, greedy)) or self._capture(batch, bucket, greedy)
+        graph = self.graphs.get((bucket, greedy, 1))
+        if graph is None:
+            graph = self._capture((bucket, greedy, 1), lambda: self._decode_body(bucket, greedy))
+            self._fill_inputs(batch, bucket)
         self.step_index.zero_()
         for _ in range(steps):
             graph.replay()
         self.graph_replays += steps
         self.decode_steps_run += steps
-        self.host_out.copy_(self.out_tokens, non_blocking=True)
-        self.copy_done.record()
-        self.copy_done.synchronize()
-        tokens = self.host_out.numpy()[:steps, : len(batch)].copy()
-        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens, 1)
+        tokens = self._to_host(self.out_tokens, self.host_out)[:steps, : len(batch)].copy()
+        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
         return torch.from_numpy(tokens[0])
 
-    def _take_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
-        """The next look-ahead step if this batch is exactly the one that produced it, one step further on."""
+    def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The rows this batch asks for, read off the look-ahead when it holds them all: the batch that made it,
+        each sequence some steps further on, asking for its next token or verifying drafts. The look-ahead's tokens
+        are the target's own samples at those positions (KV written, noise keyed by position), so a draft is
+        accepted iff it equals one, exactly as a verify step would decide."""
         ahead = self._ahead
-        if ahead is None or ahead.used >= len(ahead.tokens) or len(batch) != len(ahead.seqs):
+        if ahead is None or len(batch) != len(ahead.seqs):
             return None
-        previous = ahead.tokens[ahead.used - 1]
+        rows: list[int] = []
         for j, item in enumerate(batch):
-            seq = item.seq
-            if (seq is not ahead.seqs[j] or seq.num_computed != ahead.start_positions[j] + ahead.used
-                    or seq.token_ids[-1] != previous[j]):
+            seq, column = item.seq, ahead.tokens[:, j]
+            step = seq.num_computed - ahead.start_positions[j]  # the step that sampled the token after the last
+            if (seq is not ahead.seqs[j] or item.num_logits != item.num_tokens or not 1 <= step < len(column)
+                    or seq.token_ids[seq.num_computed] != column[step - 1]):
                 return None
-        ahead.used += 1
-        return torch.from_numpy(ahead.tokens[ahead.used - 1])
+            drafts = seq.draft_ids[: item.num_tokens - 1]
+            n = 0
+            while n < len(drafts) and step + n < len(column) and drafts[n] == column[step + n]:
+                n += 1
+            if step + n >= len(column):  # the sample after the accepted drafts lies beyond the look-ahead
+                return None
+            # Rows past the first rejected draft are never read: repeat the sample there.
+            rows += column[step : step + n + 1].tolist() + [int(column[step + n])] * (len(drafts) - n)
+        return torch.tensor(rows, dtype=torch.int64)
 
     def _chunk_steps(self, batch: list[ScheduledSeq]) -> int:
         """Steps whose KV slots every sequence already owns and whose tokens every sequence still wants."""
         steps = self.max_decode_steps
         for item in batch:
             seq = item.seq
-            room = len(seq.block_table) * self.block_size - seq.num_computed
+            owned = len(seq.block_table)
+            if self.verify_len:  # blocks grown for drafts may be given back: write only where len(seq) keeps
+                owned = min(owned, -(-len(seq) // self.block_size))
+            room = owned * self.block_size - seq.num_computed
             wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt)
             steps = min(steps, room, wanted)
+            tracker = seq.spec_tracker
+            if (self.verify_len and seq.spec_enabled and tracker and not tracker.pause_left
+                    and tracker.rate >= DRAFTS_LANDING):
+                steps = min(steps, SPEC_DECODE_STEPS)
         return max(steps, 1)
+
+    def _to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> np.ndarray:
+        """The step's one host sync."""
+        host.copy_(tokens, non_blocking=True)
+        self.copy_done.record()
+        self.copy_done.synchronize()
+        return host.numpy()
 
     def _fill_inputs(self, batch: list[ScheduledSeq], bucket: int) -> None:
         ints, floats, tables = self.host_ints.numpy(), self.host_floats.numpy(), self.host_tables.numpy()
@@ -162,24 +217,23 @@ class CudaGraphRunner(ModelRunner):
             splits *= 2
         return splits
 
-    def _capture(self, batch, bucket: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        self.kernels.decode_splits = self._splits(bucket)
+    def _capture(self, key: tuple[int, bool, int], body) -> torch.cuda.CUDAGraph:
+        self.kernels.decode_splits = self._splits(key[0])
         try:
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
-            # buffers changed, which are refilled before the replays.
+            # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._decode_body(bucket, greedy)
+                body()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._decode_body(bucket, greedy)
+                body()
         finally:
             self.kernels.decode_splits = 1
-        self.graphs[(bucket, greedy)] = graph
+        self.graphs[key] = graph
         self.graph_captures += 1
-        self._fill_inputs(batch, bucket)
         return graph
 
     def _decode_body(self, rows: int, greedy: bool) -> None:
@@ -204,3 +258,67 @@ class CudaGraphRunner(ModelRunner):
         seeds = positions if greedy else (request_seed * 1_000_003 + positions + 1) & _SEED_MASK  # unused if greedy
         tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
+
+    # --- speculative verify ----------------------------------------------------------------------------------
+    def _verify(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        bucket = next(b for b in self.buckets if b >= len(batch))
+        greedy = all(item.seq.params.temperature == 0 for item in batch)
+        key = (bucket, greedy, self.verify_len)
+        self._fill_verify(batch, bucket)
+        graph = self.graphs.get(key) or self._capture(key, lambda: self._verify_body(bucket, greedy))
+        graph.replay()
+        self.graph_replays += 1
+        self.verify_steps_run += 1
+        return self._verify_rows(batch, self._to_host(self.verify_tokens, self.host_verify_out))
+
+    def _verify_rows(self, batch: list[ScheduledSeq], tokens: np.ndarray) -> torch.Tensor:
+        """The sampled tokens the engine asked for: each sequence's last num_logits rows, in batch order."""
+        q = self.verify_len
+        rows = [tokens[j * q + q - item.num_logits : (j + 1) * q] for j, item in enumerate(batch)]
+        return torch.from_numpy(np.concatenate(rows).copy())
+
+    def _fill_verify(self, batch: list[ScheduledSeq], bucket: int) -> None:
+        q = self.verify_len
+        ints, floats = self.host_verify_ints.numpy(), self.host_verify_floats.numpy()
+        context, tables = self.host_context.numpy(), self.host_tables.numpy()
+        ints[:, : bucket * q] = 0
+        ints[2, : bucket * q] = -1  # pad rows and idle sequences write no KV
+        floats[0, : bucket * q], floats[1, : bucket * q] = 0.0, 1.0
+        context[:bucket] = 0  # idle sequences attend to nothing
+        for j, item in enumerate(batch):
+            seq, n, start = item.seq, item.num_tokens, item.seq.num_computed
+            rows, real = slice(j * q, (j + 1) * q), slice((j + 1) * q - n, (j + 1) * q)
+            # Pad rows take the positions just before the real ones: their outputs are never read.
+            positions = range(start + n - q, start + n)
+            ints[0, real] = (seq.token_ids + seq.draft_ids)[start : start + n]
+            ints[1, rows] = [max(p, 0) for p in positions]
+            ints[2, real] = [self._slot(seq, p) for p in range(start, start + n)]
+            ints[3, rows] = [noise_seed(seq.seed, p + 1) for p in positions]
+            ints[4, rows] = seq.params.top_k
+            floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
+            context[j] = start + n
+            tables[j, : len(seq.block_table)] = seq.block_table
+        n = len(batch)
+        self.dev_verify_ints.copy_(self.host_verify_ints, non_blocking=True)
+        self.dev_verify_floats.copy_(self.host_verify_floats, non_blocking=True)
+        self.dev_context.copy_(self.host_context, non_blocking=True)
+        self.dev_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
+
+    def _verify_body(self, rows: int, greedy: bool) -> None:
+        """One verify step on the static buffers: rows x (K + 1) query tokens, every one of them sampled."""
+        k, q = self.kernels, self.verify_len
+        t = rows * q
+        ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
+        temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start=self.verify_query_start[: rows + 1],
+            context_lens=self.dev_context[:rows],
+            block_tables=self.dev_tables[:rows],
+            max_query_len=q,
+            max_context_len=self.table_width * self.block_size,
+        )
+        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
+        logits = k.linear(hidden, self.model.lm_head)  # 16-bit, as in the decode graph
+        sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
+        self.verify_tokens[:t].copy_(sampled)
