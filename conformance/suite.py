@@ -631,17 +631,22 @@ def test_e2e_default_model(backend, conformance, default_model):
     if backend.name == "cpu":
         pytest.skip("the CPU backend is the reference the end-to-end cases compare with")
     p = backend.default_precision
+    # Greedy text is a sharp test only where rounding cannot flip near-ties: at fp32 when the backend has it
+    # (bf16 on the CPU reference itself leaves fp32's greedy path after 5 tokens on these prompts). The smooth
+    # perplexity check covers the default precision.
+    greedy_p = "fp32" if "fp32" in backend.precisions else p
     tok = default_model.tokenizer
     engines = {name: harness.make_engine(b, default_model, prec, **harness.plain_profile(), max_model_len=1024,
                                          max_num_batched_tokens=1024, kv_cache_max_gib=0.25)
-               for name, b, prec in (("backend", backend, p), ("cpu", _cpu_backend(), "fp32"))}
+               for name, b, prec in (("backend", backend, p), ("greedy", backend, greedy_p),
+                                     ("cpu", _cpu_backend(), "fp32"))}
     prompts = [tok.encode(t) for t in GREEDY_PROMPTS]
-    ours, cpu = (_greedy(engines[n], prompts, 16) for n in ("backend", "cpu"))
+    ours, cpu = (_greedy(engines[n], prompts, 16) for n in ("greedy", "cpu"))
     prefix = min(next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, cpu))
-    conformance.check("e2e_greedy_prefix", p, prefix, "greedy vs cpu",
+    conformance.check("e2e_greedy_prefix", greedy_p, prefix, "greedy vs cpu",
                       detail=f"first difference: {harness.mismatches(ours, cpu)[1]}")
     ids = tok.encode(SHAKESPEARE)
-    ppl = {n: _perplexity(harness.prompt_logits(engines[n], ids), ids) for n in engines}
+    ppl = {n: _perplexity(harness.prompt_logits(engines[n], ids), ids) for n in ("backend", "cpu")}
     rel = abs(ppl["backend"] - ppl["cpu"]) / ppl["cpu"]
     conformance.check("e2e_perplexity", p, rel, "shakespeare",
                       detail=f"perplexity {ppl['backend']:.3f} vs cpu {ppl['cpu']:.3f}")

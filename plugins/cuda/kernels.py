@@ -37,6 +37,9 @@ def _pow2(n: int) -> int:
 def _dot(a, b):
     if _FP32_DOTS:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif a.dtype == tl.float32:
+        # fp32 means fp32: tl.dot would otherwise round fp32 inputs to TF32 (NMSE ~1e-7 in conformance)
+        out = tl.dot(a, b, input_precision="ieee")
     else:
         out = tl.dot(a, b)
     return out
@@ -132,7 +135,7 @@ def _load_cache(ptr, mask, dtype, E5M2_BITS: tl.constexpr):
     """A cache tile in `dtype`. E5M2_BITS: the cache is fp8-e5m2 viewed as bytes, and an e5m2 byte is the high
     byte of the fp16 of the same value, so one shift widens it exactly (no conversion instructions)."""
     if E5M2_BITS:
-        tile = (tl.load(ptr, mask=mask, other=0).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        tile = (tl.load(ptr, mask=mask, other=0).to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(dtype)
     else:
         tile = tl.load(ptr, mask=mask, other=0.0).to(dtype)
     return tile
@@ -143,7 +146,7 @@ def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, sc
                     KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, max_blocks, E5M2_BITS: tl.constexpr):
     """Online softmax of q [BLOCK_M, D] over cached keys lo..hi; returns (acc, running max, running sum).
-    With E5M2_BITS, q arrives as fp16 and the dots run in fp16."""
+    With E5M2_BITS and 16-bit activations, q arrives as fp16 and the dots run in fp16; fp32 stays fp32."""
     d = tl.arange(0, D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -187,7 +190,8 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
         q_offs = (q_first + t)[:, None] * (H * D) + head[:, None] * D + d[None, :]
         q = tl.load(q_ptr + q_offs, mask=ok[:, None], other=0.0)
         if E5M2_BITS:
-            q = q.to(tl.float16)
+            if q.dtype != tl.float32:  # 16-bit activations: dots in fp16, the cache's exact widening
+                q = q.to(tl.float16)
         q_pos = ctx - q_len + t
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
         acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, 0, hi, scale,
@@ -214,7 +218,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     d = tl.arange(0, D)
     q = tl.load(q_ptr + seq * H * D + head[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     if E5M2_BITS:
-        q = q.to(tl.float16)
+        if q.dtype != tl.float32:  # 16-bit activations: dots in fp16, the cache's exact widening
+            q = q.to(tl.float16)
     q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
     acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
                                     KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
@@ -267,6 +272,7 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
     tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
     scale = tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
     q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    q = tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(scale_ptr + row, scale)
 
@@ -435,6 +441,9 @@ class CudaKernels(ReferenceKernels):
         self.decode_splits = decode_splits
         # One- and two-row batches through the register GEMV (norm and silu fused in) rather than the skinny GEMM.
         self.register_gemv = register_gemv
+        # The runner raises this while it captures a small speculative verify step (K + 1 rows): fewer launches,
+        # and each row computed exactly as the one-row decode step computes it.
+        self.gemv_max_rows = GEMV_MAX_ROWS
 
     def sample(self, logits, params):
         if params.all_greedy:  # argmax needs no fp32 copy of [rows, vocab] logits: widening is exact
@@ -565,6 +574,8 @@ class CudaKernels(ReferenceKernels):
 
     def _fp8_linear(self, x, w: Fp8Weight):
         """Prefill-sized fp8: per-token fp8 activations through the fp8 tensor cores (torch._scaled_mm)."""
+        if w.shape[0] % 16 or w.shape[1] % 16:  # _scaled_mm's tile constraint: such weights run as W8A16
+            return F.linear(x, w.dequantize(x.dtype))
         xq, x_scale = self.fp8_quantize_rows(x)
         w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
         return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
@@ -604,9 +615,8 @@ class CudaKernels(ReferenceKernels):
             return FP8, w.data, w.scale.reshape(-1), w.scale, 1
         return DENSE, w, w, w, 1
 
-    @staticmethod
-    def _gemv_fits(x, w) -> bool:
-        if x.shape[0] > GEMV_MAX_ROWS or x.shape[1] > GEMV_MAX_K:
+    def _gemv_fits(self, x, w) -> bool:
+        if x.shape[0] > self.gemv_max_rows or x.shape[1] > GEMV_MAX_K:
             return False
         if isinstance(w, Int4Weight):
             return _pow2(x.shape[1]) % w.group_size == 0 and w.group_size % 2 == 0

@@ -28,12 +28,15 @@ from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
 
 from .forward import forward
+from .kernels import GEMV_MAX_ROWS
 
 MAX_DECODE_STEPS = 16
 # A request whose drafts keep landing drafts again at once, and a verify step beats decoding the look-ahead:
 # its decode chunks stay short. Others decode long chunks; drafts that turn up meanwhile are checked against them.
 SPEC_DECODE_STEPS = 4
 DRAFTS_LANDING = 0.5  # rolling acceptance above which a request counts as drafting well
+# Verify steps of up to this many query rows run their projections as the register GEMV (L2 serves the re-reads).
+VERIFY_GEMV_ROWS = 8
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
@@ -218,7 +221,10 @@ class CudaGraphRunner(ModelRunner):
         return splits
 
     def _capture(self, key: tuple[int, bool, int], body) -> torch.cuda.CUDAGraph:
-        self.kernels.decode_splits = self._splits(key[0])
+        bucket, _, query_rows = key
+        self.kernels.decode_splits = self._splits(bucket)
+        if query_rows > 1 and bucket * query_rows <= VERIFY_GEMV_ROWS:
+            self.kernels.gemv_max_rows = bucket * query_rows
         try:
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
@@ -232,6 +238,7 @@ class CudaGraphRunner(ModelRunner):
                 body()
         finally:
             self.kernels.decode_splits = 1
+            self.kernels.gemv_max_rows = GEMV_MAX_ROWS
         self.graphs[key] = graph
         self.graph_captures += 1
         return graph

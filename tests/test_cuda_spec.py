@@ -1,0 +1,173 @@
+"""CUDA verify step for n-gram speculative decoding: the padded K + 1 rows against the eager reference (CPU, Triton
+interpreter), and on a GPU the captured verify graph against plain decoding."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+
+from flashnext.core.cli_bench import SHAPES, random_model  # noqa: E402
+from flashnext.core.config import ModelConfig  # noqa: E402
+from flashnext.core.engine.runner import ModelRunner  # noqa: E402
+from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
+from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from flashnext.core.kernels import ReferenceKernels  # noqa: E402
+from flashnext.core.model import DecoderModel  # noqa: E402
+from flashnext.core.precision import PRECISIONS  # noqa: E402
+from flashnext.core.profile import Profile  # noqa: E402
+from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.runner import SPEC_DECODE_STEPS, CudaGraphRunner, _Lookahead  # noqa: E402
+from flashnext.core.spec.adaptive import AcceptanceTracker  # noqa: E402
+
+TINY = ModelConfig(architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+                   qk_norm=True)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    SHAPES["tiny-test"] = TINY
+    try:
+        return random_model("tiny-test", torch.device("cpu"))
+    finally:
+        del SHAPES["tiny-test"]
+
+
+def _prefilled(runner, prompts):
+    """Sequences whose prompts are in `runner`'s KV cache, each with its first token appended."""
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(list(prompt), SamplingParams())
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        seqs.append(seq)
+    runner.run([ScheduledSeq(s, len(s), 1) for s in seqs])
+    for s in seqs:
+        s.num_computed = len(s)
+        s.token_ids.append(7)
+    return seqs
+
+
+def _verify_batch(seqs, drafts):
+    for s, d in zip(seqs, drafts):
+        s.draft_ids = list(d)
+    return [ScheduledSeq(s, 1 + len(d), 1 + len(d)) for s, d in zip(seqs, drafts)]
+
+
+def test_padded_verify_rows_match_the_eager_verify(tiny):
+    """Full, short and no drafts in one bucket of 4 (one idle sequence): the rows the engine gets are the eager ones."""
+    prompts = (list(range(5, 25)), list(range(30, 37)), list(range(40, 43)))
+    drafts = ([11, 12, 13], [21], [])
+    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    assert runner.use_graphs and runner.verify_len == 4
+    batch = _verify_batch(_prefilled(runner, prompts), drafts)
+    assert runner._verifiable(batch)
+    runner._fill_verify(batch, 4)
+    runner._verify_body(4, greedy=True)
+    ours = runner._verify_rows(batch, runner.verify_tokens.cpu().numpy())
+
+    ref_model = DecoderModel(tiny.config, tiny.weights, ReferenceKernels(), PRECISIONS["fp32"],
+                             DEV, torch.float32)
+    ref = ModelRunner(ref_model, 32, 4, torch.float32)
+    ref_batch = _verify_batch(_prefilled(ref, prompts), drafts)
+    logits, sampled = ref.run(ref_batch)
+    assert ours.tolist() == sampled.cpu().tolist()
+    assert len(ours) == 4 + 2 + 1
+    # The pad rows wrote no KV: the slots after each sequence's real tokens are as the eager run left them.
+    slots = runner.host_verify_ints.numpy()[2, :16].reshape(4, 4)
+    assert (slots[1, :2] == -1).all() and (slots[2, :3] == -1).all() and (slots[3] == -1).all()
+
+
+def test_verify_only_for_full_decode_shaped_batches(tiny):
+    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    seq = Sequence(list(range(10)), SamplingParams())
+    assert runner._verifiable([ScheduledSeq(seq, 4, 4)])
+    assert not runner._verifiable([ScheduledSeq(seq, 5, 5)])  # more than K + 1 rows
+    assert not runner._verifiable([ScheduledSeq(seq, 4, 0)])  # a prefill chunk
+    mtp = CudaGraphRunner.for_profile(NGRAM.overridden(spec="mtp"))(model, 32, 4, torch.float32)
+    assert not mtp.use_graphs  # MTP drafts from hidden states: eager
+
+
+def test_lookahead_chunks_short_only_while_drafts_land(tiny):
+    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
+    seq.block_table, seq.num_computed = list(range(4)), 5  # 6 tokens: 1 block keeps them, 3 more were grown
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 3  # not into blocks a short draft gives back
+    seq.token_ids += [1, 2, 3, 4]
+    seq.num_computed = 9
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 7  # no tracker yet: to the end of the block
+    seq.spec_tracker = AcceptanceTracker(k=3, k_max=3, rate=0.9)
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == SPEC_DECODE_STEPS
+    seq.spec_tracker.pause_left = 5
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 7
+
+
+def test_drafts_are_verified_against_the_lookahead(tiny):
+    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
+    seq.num_computed = 5  # the chunk started at position 5 and sampled positions 6..11
+    column = np.array([[50], [51], [52], [53], [54], [55]])
+    runner._ahead = _Lookahead([seq], [5], column)
+    seq.token_ids += [50]  # one step consumed
+    seq.num_computed = 6
+    seq.draft_ids = [51, 52, 99]
+    assert runner.run([ScheduledSeq(seq, 4, 4)])[1].tolist() == [51, 52, 53, 53]  # two drafts land, third does not
+    seq.token_ids += [51, 52, 53]
+    seq.num_computed = 9
+    seq.draft_ids = [54, 55]
+    assert runner._from_lookahead([ScheduledSeq(seq, 3, 3)]) is None  # all land: the bonus lies beyond
+    seq.draft_ids = [54]
+    assert runner._from_lookahead([ScheduledSeq(seq, 2, 2)]).tolist() == [54, 55]
+    seq.token_ids[-1] = 7  # not the look-ahead's path any more
+    assert runner._from_lookahead([ScheduledSeq(seq, 2, 2)]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_verify_graph_gives_the_plain_tokens():
+    """ngram with graphs == none, batch 1 and batched, greedy and seeded. fp32: in bf16 a verify row and a decode
+    step round their logits through different kernels (cuBLAS at 5 rows vs 1) and near-ties can flip."""
+    from flashnext.core.llm import LLM
+
+    loaded = random_model("smollm2-135m", torch.device("cuda"))
+    motifs = torch.randint(0, 49152, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [(m * 4)[: 40 + 3 * i] for i, m in enumerate(motifs)]  # repeats: the random model copies them
+    outputs, engines = {}, {}
+    for spec in ("none", "ngram"):
+        llm = LLM(model=loaded, backend="cuda", precision="fp32", profile="full", spec=spec, spec_tokens=4,
+                  max_model_len=256, max_num_seqs=4)
+        for temperature in (0.0, 0.9):
+            params = SamplingParams(temperature=temperature, max_tokens=48, ignore_eos=True, seed=5)
+            outputs[spec, temperature, 1] = [s.output_ids for s in llm.engine.generate(prompts[:1], params)]
+            outputs[spec, temperature, 3] = [s.output_ids for s in llm.engine.generate(prompts, params)]
+        engines[spec] = llm.engine
+    assert engines["ngram"].runner.verify_steps_run > 0 and engines["ngram"].spec_stats()["accepted"] > 0
+    for key in [k for k in outputs if k[0] == "ngram"]:
+        assert outputs[key] == outputs[("none",) + key[1:]], key
+
+
+def test_verify_rows_through_the_gemv_match_one_row_decode():
+    """A small verify step's projections run as the decode GEMV: each row exactly as a one-row step computes it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen).to(DEV)
+    w = torch.randn(96, 64, generator=gen).to(DEV)
+    kernels = CudaKernels()
+    kernels.gemv_max_rows = 5
+    rows = kernels.linear(x, w)
+    assert all(torch.equal(rows[i], kernels.linear(x[i : i + 1], w)[0]) for i in range(5))
+    assert torch.allclose(rows, x @ w.T, rtol=1e-4, atol=1e-4)
