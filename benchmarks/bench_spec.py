@@ -122,11 +122,15 @@ def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
         after = llm.engine.spec_stats()
         drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
         drafts = after["drafts"] - before["drafts"]
+        per_position = [a - b for a, b in zip(after["accepted_per_position"],
+                                              before["accepted_per_position"] + [0] * len(after["accepted_per_position"]))]
         rows.append({
             "method": method, "prompts": kind, "decode_tok_s": round(tokens / seconds, 2),
             "drafts": drafts, "drafted": drafted, "accepted": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+            # Share of verify steps whose draft at position i was accepted (vLLM's per-position acceptance).
+            "acceptance_per_position": [round(n / drafts, 4) for n in per_position] if drafts else [],
             "outputs": outputs,
         })
     return rows
