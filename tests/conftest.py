@@ -23,3 +23,20 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_random():
+    """Random bf16 weights of a tiny Qwen3 shape, built the way `flashnext bench --shape` builds real shapes."""
+    import torch
+
+    from flashnext.core.cli_bench import SHAPES, random_model
+    from flashnext.core.config import ModelConfig
+
+    SHAPES["tiny-test"] = ModelConfig(
+        architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
+    try:
+        return random_model("tiny-test", torch.device("cpu"))
+    finally:
+        del SHAPES["tiny-test"]

@@ -11,8 +11,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
-from flashnext.core.cli_bench import SHAPES, random_model  # noqa: E402
-from flashnext.core.config import ModelConfig  # noqa: E402
+from flashnext.core.cli_bench import random_model  # noqa: E402
 from flashnext.core.engine.runner import ModelRunner  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -22,19 +21,6 @@ from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
-
-TINY = ModelConfig(architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
-                   qk_norm=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    SHAPES["tiny-test"] = TINY
-    try:
-        return random_model("tiny-test", torch.device("cpu"))
-    finally:
-        del SHAPES["tiny-test"]
 
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,15 +43,15 @@ def _two_steps(loaded, kernels, runner_class):
     return prefill, decode
 
 
-def test_fused_forward_matches_reference_forward(tiny):
-    ours = _two_steps(tiny, CudaKernels(), CudaGraphRunner.for_profile(Profile(name="basic")))
-    ref = _two_steps(tiny, ReferenceKernels(), ModelRunner)
+def test_fused_forward_matches_reference_forward(tiny_random):
+    ours = _two_steps(tiny_random, CudaKernels(), CudaGraphRunner.for_profile(Profile(name="basic")))
+    ref = _two_steps(tiny_random, ReferenceKernels(), ModelRunner)
     for a, b in zip(ours, ref):
         assert float((a - b).pow(2).sum() / b.pow(2).sum()) < 1e-5  # fp32; GPU dots round through tf32
 
 
-def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny):
-    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(Profile(name="basic"))(model, 8, 4, torch.float32)
     a = Sequence(list(range(6)), SamplingParams(max_tokens=50))

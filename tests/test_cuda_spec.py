@@ -12,8 +12,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
-from flashnext.core.cli_bench import SHAPES, random_model  # noqa: E402
-from flashnext.core.config import ModelConfig  # noqa: E402
+from flashnext.core.cli_bench import random_model  # noqa: E402
 from flashnext.core.engine.runner import ModelRunner  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -25,20 +24,8 @@ from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import SPEC_DECODE_STEPS, CudaGraphRunner, _Lookahead  # noqa: E402
 from flashnext.core.spec.adaptive import AcceptanceTracker  # noqa: E402
 
-TINY = ModelConfig(architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
-                   qk_norm=True)
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    SHAPES["tiny-test"] = TINY
-    try:
-        return random_model("tiny-test", torch.device("cpu"))
-    finally:
-        del SHAPES["tiny-test"]
 
 
 def _prefilled(runner, prompts):
@@ -61,11 +48,11 @@ def _verify_batch(seqs, drafts):
     return [ScheduledSeq(s, 1 + len(d), 1 + len(d)) for s, d in zip(seqs, drafts)]
 
 
-def test_padded_verify_rows_match_the_eager_verify(tiny):
+def test_padded_verify_rows_match_the_eager_verify(tiny_random):
     """Full, short and no drafts in one bucket of 4 (one idle sequence): the rows the engine gets are the eager ones."""
     prompts = (list(range(5, 25)), list(range(30, 37)), list(range(40, 43)))
     drafts = ([11, 12, 13], [21], [])
-    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
     assert runner.use_graphs and runner.verify_len == 4
@@ -75,7 +62,7 @@ def test_padded_verify_rows_match_the_eager_verify(tiny):
     runner._verify_body(4, greedy=True)
     ours = runner._verify_rows(batch, runner.verify_tokens.cpu().numpy())
 
-    ref_model = DecoderModel(tiny.config, tiny.weights, ReferenceKernels(), PRECISIONS["fp32"],
+    ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
                              DEV, torch.float32)
     ref = ModelRunner(ref_model, 32, 4, torch.float32)
     ref_batch = _verify_batch(_prefilled(ref, prompts), drafts)
@@ -87,8 +74,8 @@ def test_padded_verify_rows_match_the_eager_verify(tiny):
     assert (slots[1, :2] == -1).all() and (slots[2, :3] == -1).all() and (slots[3] == -1).all()
 
 
-def test_verify_only_for_full_decode_shaped_batches(tiny):
-    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+def test_verify_only_for_full_decode_shaped_batches(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
     seq = Sequence(list(range(10)), SamplingParams())
@@ -99,8 +86,8 @@ def test_verify_only_for_full_decode_shaped_batches(tiny):
     assert not mtp.use_graphs  # MTP drafts from hidden states: eager
 
 
-def test_lookahead_chunks_short_only_while_drafts_land(tiny):
-    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+def test_lookahead_chunks_short_only_while_drafts_land(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
@@ -115,8 +102,8 @@ def test_lookahead_chunks_short_only_while_drafts_land(tiny):
     assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 7
 
 
-def test_drafts_are_verified_against_the_lookahead(tiny):
-    model = DecoderModel(tiny.config, tiny.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+def test_drafts_are_verified_against_the_lookahead(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
