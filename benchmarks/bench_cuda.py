@@ -239,7 +239,6 @@ def kernel_timings(loaded):
 def decode_step_profile(llm, bucket: int) -> dict:
     """GPU time of one captured decode step (graph replays, context ~300) and its kernel launches."""
     runner = llm.engine.runner
-    block = runner.block_size
     seqs = []
     for j in range(bucket):
         seq = Sequence(list(range(300)), SamplingParams(max_tokens=10_000, ignore_eos=True))

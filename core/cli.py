@@ -116,7 +116,6 @@ def run(
     explain: Annotated[bool, typer.Option("--explain", help="Print every backend probe's verdict.")] = False,
 ):
     """Generate a completion for PROMPT."""
-    from .engine.sequence import SamplingParams
     from .llm import LLM
 
     text = _read_prompt(prompt)

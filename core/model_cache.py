@@ -10,8 +10,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from .config import ModelConfig
@@ -67,11 +67,9 @@ def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) 
 def load(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer] | None:
     if not (entry / "tokenizer_meta.json").is_file():
         return None
-    from safetensors import safe_open
-
     with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
         groups = f.metadata() or {}
-    flat = load_file(str(entry / "weights.safetensors"))
+        flat = {name: f.get_tensor(name) for name in f.keys()}
     weights: dict = {}
     for name, tensor in flat.items():
         if "#int4." not in name:
