@@ -171,7 +171,7 @@ def _sampling(**fields):
 def _report(llm, seq, text: str, start: float, first_token_at: float) -> dict:
     end = time.perf_counter()
     decode_tokens = max(len(seq.output_ids) - 1, 0)
-    spec = llm.engine.spec_stats() if hasattr(llm.engine, "spec_stats") else {"drafted": 0, "accepted": 0}
+    spec = llm.engine.spec_stats()
     return {
         "text": text,
         "token_ids": seq.output_ids,

@@ -10,7 +10,7 @@ from ..loader import LoadedModel
 from ..model import DecoderModel
 from ..precision import PRECISIONS
 from ..profile import Profile
-from ..spec.decoder import SpecDecoder
+from ..spec.decoder import SpecDecoder, SpecStats
 from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
 from .runner import ModelRunner
@@ -155,10 +155,7 @@ class LLMEngine:
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
-        if self.spec is None:
-            return {"drafts": 0, "drafted": 0, "accepted": 0, "accepted_per_position": [],
-                    "mean_acceptance_length": 0.0}
-        return self.spec.stats.as_dict()
+        return (self.spec.stats if self.spec else SpecStats()).as_dict()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]
