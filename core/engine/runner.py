@@ -54,7 +54,7 @@ class ModelRunner:
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
-            tokens = (seq.token_ids + seq.draft_ids)[start : start + n]
+            tokens = seq.query_tokens(start, n)
             ids += tokens
             positions += range(start, start + n)
             slots += [self._slot(seq, p) for p in range(start, start + n)]

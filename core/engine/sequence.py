@@ -72,6 +72,10 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
+    def query_tokens(self, start: int, n: int) -> list[int]:
+        """Tokens start..start+n of the sequence followed by its drafts; copies only the uncomputed tail."""
+        return (self.token_ids[start:] + self.draft_ids)[:n]
+
     @property
     def in_prefill(self) -> bool:
         return self.num_uncomputed > 1

@@ -297,7 +297,7 @@ class CudaGraphRunner(ModelRunner):
             rows, real = slice(j * q, (j + 1) * q), slice((j + 1) * q - n, (j + 1) * q)
             # Pad rows take the positions just before the real ones: their outputs are never read.
             positions = range(start + n - q, start + n)
-            ints[0, real] = (seq.token_ids + seq.draft_ids)[start : start + n]
+            ints[0, real] = seq.query_tokens(start, n)
             ints[1, rows] = [max(p, 0) for p in positions]
             ints[2, real] = [self._slot(seq, p) for p in range(start, start + n)]
             ints[3, rows] = [noise_seed(seq.seed, p + 1) for p in positions]
