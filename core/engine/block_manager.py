@@ -83,15 +83,19 @@ class BlockManager:
         """Register blocks filled by computed tokens so later requests can reuse them."""
         if not self.prefix_caching:
             return
-        parent = None
-        for i in range(seq.num_computed // self.block_size):
+        # Hashed blocks are always a prefix of the table, so only the new tail is walked: a step on the hot
+        # path touches the one block (if any) that just filled, not the whole context.
+        full = seq.num_computed // self.block_size
+        first = full
+        while first > 0 and self.block_hash[seq.block_table[first - 1]] is None:
+            first -= 1
+        parent = self.block_hash[seq.block_table[first - 1]] if first else None
+        for i in range(first, full):
             block = seq.block_table[i]
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            if self.block_hash[block] is None:
-                h = chain_hash(parent, tokens)
-                self.block_hash[block], self.block_tokens[block] = h, tokens
-                self.hash_to_block.setdefault(h, block)
-            parent = self.block_hash[block]
+            parent = chain_hash(parent, tokens)
+            self.block_hash[block], self.block_tokens[block] = parent, tokens
+            self.hash_to_block.setdefault(parent, block)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` (rejected speculative tokens)."""
