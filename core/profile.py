@@ -24,6 +24,9 @@ class Profile(BaseModel):
     spec: SpecMethod = "none"
     spec_tokens: int = Field(default=4, ge=1, le=16)
     spec_adaptive: bool = True
+    # Drafting pauses while more requests than this share a step: a big batch already keeps the GPU busy, and on
+    # CUDA the verify step reproduces decode's numbers exactly only up to this batch size (row-invariant kernels).
+    spec_max_batch: int = Field(default=8, ge=1, le=4096)
     max_num_seqs: int = Field(default=16, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=1024, ge=16)
     max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own context length

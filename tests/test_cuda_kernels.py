@@ -32,6 +32,12 @@ def nmse(a, b):
     return float((a - b).pow(2).sum() / b.pow(2).sum().clamp_min(1e-30))
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Fixed inputs: the error bounds below hold for these draws whatever order xdist runs the tests in."""
+    torch.manual_seed(1234)
+
+
 def rand(*shape, dtype=torch.bfloat16, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
@@ -143,6 +149,27 @@ def test_split_kv_decode_attention_matches_reference():
     assert nmse(CudaKernels(decode_splits=4).attention(q, kc, vc, meta, 0.2), ref) < 1e-4
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_verify_rows_attend_as_decode_rows(splits):
+    """K + 1 query rows of a sequence, each given its own context length and sharing the sequence's table row,
+    equal the causal multi-query attention, and each row equals a one-row decode call with that context."""
+    q, kc, vc, meta = _paged_setup([4, 4], [9, 23])
+    ref = REF.attention(q, kc, vc, meta, 0.2)
+    per_row = [c - 4 + i + 1 for c in (9, 23) for i in range(4)]
+    rows_meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start=torch.arange(9, dtype=torch.int32, device=DEV),
+        context_lens=torch.tensor(per_row, dtype=torch.int32, device=DEV), block_tables=meta.block_tables,
+        max_query_len=1, max_context_len=23)
+    kernels = CudaKernels(decode_splits=splits)
+    rows = kernels.attention(q, kc, vc, rows_meta, 0.2)
+    assert nmse(rows, ref) < 1e-4
+    one = AttentionMetadata(slot_mapping=meta.slot_mapping[:1],
+                            query_start=torch.arange(2, dtype=torch.int32, device=DEV),
+                            context_lens=torch.tensor([per_row[6]], dtype=torch.int32, device=DEV),
+                            block_tables=meta.block_tables[1:], max_query_len=1, max_context_len=23)
+    assert torch.equal(kernels.attention(q[6:7], kc, vc, one, 0.2)[0], rows[6])
+
+
 def test_attention_reads_fp8_e5m2_cache():
     q, kc, vc, meta = _paged_setup([2, 1], [6, 9], kv_dtype=torch.float8_e5m2)
     ref = REF.attention(q, kc, vc, meta, 0.2)
@@ -239,3 +266,19 @@ def test_fp8_scaled_mm_linear_close_to_reference():
     w = fp8_quantize(torch.randn(64, 128)).to(DEV)
     x = rand(100, 128)  # past the skinny-GEMM rows: fp8 activations through torch._scaled_mm
     assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 2e-3
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
+def test_gemv_rows_are_computed_as_one_row_calls(kind):
+    """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
+    and silu included, is bit-equal to a one-row call on row i alone."""
+    w = torch.randn(2 * 24, 128) * 0.1
+    w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind]
+    w = w.to(DEV)
+    x, res, w_norm = rand(6, 128), rand(6, 128), rand(128)
+    kernels = CudaKernels()
+    kernels.gemv_max_rows = 6
+    many, many_res = kernels.norm_linear(x, res, w_norm, 1e-6, w, silu=True)
+    for i in range(6):
+        one, one_res = kernels.norm_linear(x[i : i + 1], res[i : i + 1], w_norm, 1e-6, w, silu=True)
+        assert torch.equal(one[0], many[i]) and torch.equal(one_res[0], many_res[i])

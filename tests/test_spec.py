@@ -164,6 +164,16 @@ def test_max_tokens_is_never_exceeded(tiny):
         assert all(len(out) == max_tokens for out in got)
 
 
+def test_drafting_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny):
+    prompts = copy_heavy_prompts(tiny, count=3, seed=6)
+    crowded = engine_for(tiny, "ngram", 4, spec_max_batch=2)
+    assert generate(crowded, prompts, GREEDY) == generate(engine_for(tiny), prompts, GREEDY)
+    assert crowded.spec_stats()["drafts"] == 0
+    roomy = engine_for(tiny, "ngram", 4, spec_max_batch=3)
+    generate(roomy, prompts, GREEDY)
+    assert roomy.spec_stats()["drafts"] > 0
+
+
 def test_per_request_opt_out(tiny):
     engine = engine_for(tiny, "ngram", 4)
     prompts = copy_heavy_prompts(tiny, count=3, seed=6)
@@ -283,7 +293,8 @@ def test_speculative_sampling_keeps_the_target_distribution(small_vocab, monkeyp
                 for a in range(8) for b in range(8)}
 
     def sample_pairs() -> tuple[dict, dict]:
-        engine = engine_for(small_vocab, "ngram", 2, max_num_seqs=512, max_num_batched_tokens=4096)
+        engine = engine_for(small_vocab, "ngram", 2, max_num_seqs=512, max_num_batched_tokens=4096,
+                            spec_max_batch=512)
         seqs = [engine.add_request(prompt, p) for p in params]
         while engine.has_work():
             engine.step()

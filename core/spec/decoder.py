@@ -87,6 +87,8 @@ class SpecDecoder:
         """Draft for the next step. `starts`: each sequence's num_computed before the step; `hidden`: the
         target's final hidden states for every token of the step."""
         requests, row = [], 0
+        if len(batch) > self.profile.spec_max_batch:
+            return
         for item, start in zip(batch, starts):
             seq, first_row = item.seq, row
             row += item.num_tokens

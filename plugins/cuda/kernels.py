@@ -15,8 +15,14 @@ import triton.language as tl
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels
 from flashnext.core.precision import FP8_MAX, Fp8Weight, Int4Weight, Weight
 
-# Rows up to this many go through the fused norm-GEMV (one weight read per row): the batch-1 decode path.
-GEMV_MAX_ROWS = 2
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: kernels launch plainly
+    gdc_launch_dependents = gdc_wait = None
+
+# Rows up to this many go through the fused norm-GEMV (one weight read per program, rows unrolled): small decode
+# batches. Beyond ~4 rows cuBLAS is faster on a Qwen3-0.6B shape (docs/benchmarks.md).
+GEMV_MAX_ROWS = 4
 # Input sizes whose whole row fits one program's registers (the GEMV keeps all of x and its W tile live).
 GEMV_MAX_K = 4096
 # Wider outputs (the vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already.
@@ -31,6 +37,23 @@ _FP32_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch: Hopper or newer, a Triton that has it, not the CPU interpreter."""
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+@triton.jit
+def _after_producer(PDL: tl.constexpr):
+    """Under programmatic dependent launch a kernel starts while the previous one still runs: wait here until its
+    writes are visible, then let the next kernel's programs start too. Nothing may be written or read from an
+    earlier kernel's output before this point; constant data (weights) may be, and should be: that is the gain."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -51,7 +74,8 @@ def _dot(a, b):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
-                    HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
@@ -92,7 +116,8 @@ def _rope_heads(src, pos_cs, w_ptr, eps, heads, D: tl.constexpr, HALF: tl.conste
 @triton.jit
 def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache,
                            stride_qkv, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     t = tl.program_id(0)
     HALF: tl.constexpr = D // 2
     dtype = q_out_ptr.dtype.element_ty
@@ -115,7 +140,8 @@ def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_k, stride_v, WIDTH: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -172,10 +198,11 @@ def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, sc
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale, max_blocks,
-                            H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            E5M2_BITS: tl.constexpr):
+                            rows_per_table, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, E5M2_BITS: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, kv head, query tile); a tile's rows are (query token, head of the kv group) pairs."""
+    _after_producer(PDL)
     seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
     q_first = tl.load(qstart_ptr + seq)
@@ -194,18 +221,21 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
                 q = q.to(tl.float16)
         q_pos = ctx - q_len + t
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
-        acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, 0, hi, scale,
-                                        KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
+        acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq // rows_per_table, kvh, q_pos, 0, hi,
+                                        scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks,
-                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                         E5M2_BITS: tl.constexpr):
-    """Decode only (one query per sequence): split s of SPLITS covers one slice of the context."""
+                         rows_per_table, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         SPLITS: tl.constexpr, E5M2_BITS: tl.constexpr, PDL: tl.constexpr):
+    """Decode only (one query row each; a block-table row serves rows_per_table consecutive rows): split s of
+    SPLITS covers one slice of the row's context. The slices depend on the context length alone, so a row's
+    result does not depend on how many other rows the step has."""
+    _after_producer(PDL)
     seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
     ctx = tl.load(ctx_ptr + seq)
@@ -221,8 +251,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         if q.dtype != tl.float32:  # 16-bit activations: dots in fp16, the cache's exact widening
             q = q.to(tl.float16)
     q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
-    acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
-                                    KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
+    acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq // rows_per_table, kvh, q_pos, lo, hi,
+                                    scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS)
     base = (seq * H + head) * SPLITS + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=ok)
@@ -230,7 +260,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
+def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     row = tl.program_id(0)  # seq * H + head
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
@@ -248,7 +279,8 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -260,8 +292,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Dynamic per-token activation scale: amax of the row's finite values lands on the format maximum."""
+    _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     m = cols < K
@@ -286,74 +319,96 @@ DENSE, FP8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _row_dots(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, xf, WKIND: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[n] · x for BLOCK_N rows, x [BLOCK_K] float32 (zero past K). Int4 groups factor their scale and offset
-    out of the sum: sum((q s + o) x) = s sum(q x) + o sum(x), so the nibbles meet x with no per-element dequant."""
+def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, WKIND: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_N weight rows at n as stored, with their scales and offsets (unused ones are 0): (w, s, o)."""
     if WKIND == 2:
         HALF: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
         i = tl.arange(0, HALF)
-        p = tl.load(w_ptr + n[:, None] * (K // 2) + i[None, :], mask=n_ok[:, None] & (i < K // 2)[None, :], other=0)
-        x_even, x_odd = tl.split(tl.reshape(xf, (HALF, 2)))
-        prod = (p & 0xF).to(tl.float32) * x_even[None, :] + (p >> 4).to(tl.float32) * x_odd[None, :]
-        per_group = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP // 2)), axis=2)
-        x_sums = tl.sum(tl.reshape(x_even + x_odd, (GROUPS, GROUP // 2)), axis=1)
-        g = tl.arange(0, GROUPS)
+        w = tl.load(w_ptr + n[:, None] * (K // 2) + i[None, :], mask=n_ok[:, None] & (i < K // 2)[None, :], other=0)
+        g = tl.arange(0, BLOCK_K // GROUP)
         g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
         s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
         o = tl.load(offsets_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
-        acc = tl.sum(per_group * s + o * x_sums[None, :], axis=1)
     else:
         k = tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        s = tl.load(scales_ptr + n, mask=n_ok, other=0.0) if WKIND == 1 else 0.0
+        o = 0.0
+    return w, s, o
+
+
+@triton.jit
+def _row_dots(w, s, o, xf, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W · x for the rows _load_rows returned, x [BLOCK_K] float32 (zero past K). Int4 groups factor their scale
+    and offset out of the sum: sum((q s + o) x) = s sum(q x) + o sum(x), so the nibbles meet x with no dequant."""
+    if WKIND == 2:
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        x_even, x_odd = tl.split(tl.reshape(xf, (HALF, 2)))
+        prod = (w & 0xF).to(tl.float32) * x_even[None, :] + (w >> 4).to(tl.float32) * x_odd[None, :]
+        per_group = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP // 2)), axis=2)
+        x_sums = tl.sum(tl.reshape(x_even + x_odd, (GROUPS, GROUP // 2)), axis=1)
+        acc = tl.sum(per_group * s + o * x_sums[None, :], axis=1)
+    else:
         acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
         if WKIND == 1:
-            acc = acc * tl.load(scales_ptr + n, mask=n_ok, other=0.0)
+            acc = acc * s
     return acc
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, K, N_OUT, eps,
-                      HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, WKIND: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, ROWS, K, N_OUT,
+                      eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, WKIND: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
-    With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. Program 0 writes the
-    new residual; the others only read the old one, so the output buffer must differ from the input. Weights are
-    read as WKIND says (see _row_dots); activations stay 16-bit.
+    Program (n block, row block) holds BLOCK_N rows of W (read before the wait for the producer of x) and applies
+    them to ROW_BLOCK rows of x, unrolled and independent: every row runs the same instructions a one-row call runs,
+    so its result is bit-equal whatever ROWS and ROW_BLOCK are (a speculative verify step reproduces decode).
+    With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. The n-block 0
+    programs write the new residual; the others only read the old one, so the output buffer must differ from the
+    input. Weights are read as WKIND says (see _load_rows).
     """
-    pid, row = tl.program_id(0), tl.program_id(1)
-    dtype = out_ptr.dtype.element_ty
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < K
-    x = tl.load(x_ptr + row * K + k, mask=k_ok, other=0.0)
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * K + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-        if pid == 0:
-            tl.store(res_out_ptr + row * K + k, x, mask=k_ok)
-    xf = x.to(tl.float32)
-    if HAS_NORM:
-        rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-        xf = (xf * rms * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+    pid, first_row = tl.program_id(0), tl.program_id(1) * ROW_BLOCK
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
-    acc = _row_dots(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, xf, WKIND, GROUP, BLOCK_N, BLOCK_K).to(dtype)
+    w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, WKIND, GROUP, BLOCK_N, BLOCK_K)
     if SILU:
-        up = _row_dots(w_ptr, scales_ptr, offsets_ptr, n + N_OUT, n_ok, K, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
-        gate = acc.to(tl.float32)
-        acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok)
+        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, n + N_OUT, n_ok, K, WKIND, GROUP, BLOCK_N,
+                                      BLOCK_K)
+    _after_producer(PDL)
+    dtype = out_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_K)
+    for i in tl.static_range(ROW_BLOCK):
+        row = first_row + i
+        k_ok = (k < K) & (k * 0 + row < ROWS)  # masks as tensors: the interpreter rejects scalar conditions
+        x = tl.load(x_ptr + row * K + k, mask=k_ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * K + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(res_out_ptr + row * K + k, x, mask=k_ok & (k * 0 + pid == 0))
+        xf = x.to(tl.float32)
+        if HAS_NORM:
+            rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            xf = (xf * rms * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K).to(dtype)
+        if SILU:
+            up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+            gate = acc.to(tl.float32)
+            acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, WKIND: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
     they are; the epilogue applies x_scale ⊗ w_scale.
     """
+    _after_producer(PDL)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -372,8 +427,10 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
-def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     """One pass from Int4Weight to a 16-bit [N, K] weight (then cuBLAS): byte i holds columns 2i and 2i+1."""
+    _after_producer(PDL)
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < K // 2
@@ -392,7 +449,8 @@ def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, K, GROUP:
 
 @triton.jit
 def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows, width,
-                          BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                          BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_producer(PDL)
     r = tl.arange(0, BLOCK)
     m = r < rows
     pos = tl.load(pos_ptr + r, mask=m, other=0)
@@ -403,8 +461,10 @@ def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows
 
 
 @triton.jit
-def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr):
+def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance."""
+    _after_producer(PDL)
     r = tl.arange(0, BLOCK)
     m = r < rows
     step = tl.load(step_ptr)
@@ -428,22 +488,29 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv_config(n_out: int, k: int) -> tuple[int, int]:
-    """(rows of W per program, warps): four rows a program streamed from HBM fastest at every Qwen3-0.6B shape."""
-    return 4, 8 if _pow2(k) >= 4096 else 4
+    """(rows of W per program, warps): four rows and four warps gave the fastest batch-1 decode step on an H200
+    (programmatic dependent launch on; the sweep in docs/benchmarks.md)."""
+    return 4, 4
 
 
 class CudaKernels(ReferenceKernels):
     """Triton versions of the hot ops; sampling and embedding stay in PyTorch (already one or two launches)."""
 
-    def __init__(self, decode_splits: int = 1, register_gemv: bool = True):
+    def __init__(self, decode_splits: int = 1, register_gemv: bool = True, pdl: bool | None = None):
         # KV splits for decode attention; the runner sets this per captured batch size (small batches need more
         # programs than sequences x kv heads to fill the GPU).
         self.decode_splits = decode_splits
         # One- and two-row batches through the register GEMV (norm and silu fused in) rather than the skinny GEMM.
         self.register_gemv = register_gemv
-        # The runner raises this while it captures a small speculative verify step (K + 1 rows): fewer launches,
-        # and each row computed exactly as the one-row decode step computes it.
+        # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
+        # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
+        # ... and has the vocabulary projection go through the GEMV too, so that it is row-invariant as well.
+        self.gemv_wide = False
+        # Programmatic dependent launch: each kernel's programs start while the previous kernel drains, and the
+        # GEMVs stream their weights meanwhile (a batch-1 step is ~200 short kernels; see _after_producer).
+        use = pdl_supported() if pdl is None else pdl
+        self._pdl = {"PDL": use, "launch_pdl": use}
 
     def sample(self, logits, params):
         if params.all_greedy:  # argmax needs no fp32 copy of [rows, vocab] logits: widening is exact
@@ -456,14 +523,14 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty_like(x2)
         if x2.shape[0]:
             _rmsnorm_kernel[(x2.shape[0],)](x2, x2, x2, weight, out, x2.shape[1], eps, HAS_RES=False,
-                                            BLOCK_K=_pow2(x2.shape[1]))
+                                            BLOCK_K=_pow2(x2.shape[1]), **self._pdl)
         return out.view(x.shape)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         if x.shape[0]:
             _rmsnorm_kernel[(x.shape[0],)](x, residual, res_out, weight, out, x.shape[1], eps, HAS_RES=True,
-                                           BLOCK_K=_pow2(x.shape[1]))
+                                           BLOCK_K=_pow2(x.shape[1]), **self._pdl)
         return out, res_out
 
     # --- attention block pieces ----------------------------------------------------------------------------
@@ -472,7 +539,7 @@ class CudaKernels(ReferenceKernels):
         if k2.shape[0]:
             width = k2.shape[1]
             _store_kv_kernel[(k2.shape[0],)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                             WIDTH=width, BLOCK=_pow2(width))
+                                             WIDTH=width, BLOCK=_pow2(width), **self._pdl)
 
     def qkv_rope_store(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
                        num_heads, num_kv_heads, head_dim) -> torch.Tensor:
@@ -483,10 +550,12 @@ class CudaKernels(ReferenceKernels):
             _qkv_rope_store_kernel[(qkv.shape[0],)](
                 qkv, q, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos_sin, positions, slot_mapping,
                 k_cache, v_cache, qkv.stride(0), eps, H=num_heads, KVH=num_kv_heads, D=head_dim,
-                BLOCK_H=_pow2(num_heads), BLOCK_KV=_pow2(num_kv_heads), HAS_NORM=has_norm)
+                BLOCK_H=_pow2(num_heads), BLOCK_KV=_pow2(num_kv_heads), HAS_NORM=has_norm, **self._pdl)
         return q
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        """Paged attention; context_lens may list k times as many sequences as block_tables has rows, each k
+        consecutive ones sharing a table row: a speculative verify step's query rows attending as decode rows."""
         q = q.contiguous()
         out = torch.empty_like(q)
         n_seqs = meta.context_lens.shape[0]
@@ -505,20 +574,21 @@ class CudaKernels(ReferenceKernels):
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.context_lens, scale,
-            meta.block_tables.shape[1], H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-            BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32, E5M2_BITS=e5m2)
+            meta.block_tables.shape[1], n_seqs // max(meta.block_tables.shape[0], 1), H=heads, KVH=kv_heads, D=dim,
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32,
+            E5M2_BITS=e5m2, **self._pdl)
         return out
 
     def _split_decode(self, q, k_cache, v_cache, meta, scale, out, e5m2):
-        n_seqs, heads, dim = q.shape
+        n_rows, heads, dim = q.shape
         kv_heads, splits = k_cache.shape[2], self.decode_splits
-        part = torch.empty(n_seqs * heads * splits, dim, dtype=torch.float32, device=q.device)
-        ml = torch.empty(n_seqs * heads * splits, 2, dtype=torch.float32, device=q.device)
-        _decode_split_kernel[(n_seqs, kv_heads, splits)](
+        part = torch.empty(n_rows * heads * splits, dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n_rows * heads * splits, 2, dtype=torch.float32, device=q.device)
+        _decode_split_kernel[(n_rows, kv_heads, splits)](
             q, k_cache, v_cache, part, ml, meta.block_tables, meta.context_lens, scale, meta.block_tables.shape[1],
-            H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, _pow2(heads // kv_heads)),
-            BLOCK_N=32, SPLITS=splits, E5M2_BITS=e5m2)
-        _decode_reduce_kernel[(n_seqs * heads,)](part, ml, out, D=dim, SPLITS=splits)
+            n_rows // max(meta.block_tables.shape[0], 1), H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=32, SPLITS=splits, E5M2_BITS=e5m2, **self._pdl)
+        _decode_reduce_kernel[(n_rows * heads,)](part, ml, out, D=dim, SPLITS=splits, **self._pdl)
         return out
 
     # --- MLP / projections ----------------------------------------------------------------------------------
@@ -527,11 +597,13 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         if rows:
             block = min(1024, _pow2(n))
-            _silu_mul_kernel[(rows, triton.cdiv(n, block))](x.contiguous(), out, n, BLOCK=block)
+            _silu_mul_kernel[(rows, triton.cdiv(n, block))](x.contiguous(), out, n, BLOCK=block, **self._pdl)
         return out
 
     def linear(self, x, w: Weight, bias=None):
-        if self.register_gemv and self._gemv_fits(x, w) and w.shape[0] <= GEMV_MAX_N:
+        # cuBLAS streams wide 16-bit outputs (the vocabulary projection) well; quantized ones only we can read.
+        wide_ok = w.shape[0] <= GEMV_MAX_N or not isinstance(w, torch.Tensor) or self.gemv_wide
+        if self.register_gemv and self._gemv_fits(x, w) and wide_ok:
             out = self.gemv(x, w)
         elif self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
@@ -546,7 +618,8 @@ class CudaKernels(ReferenceKernels):
     @staticmethod
     def _skinny_fits(x, w) -> bool:
         """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M)."""
-        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N and x.dtype in (torch.bfloat16, torch.float16)
+        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N
+                and x.dtype in (torch.bfloat16, torch.float16)
                 and isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3")
 
     def skinny_gemm(self, x, w: Weight, config=None) -> torch.Tensor:
@@ -561,7 +634,7 @@ class CudaKernels(ReferenceKernels):
         block_m = max(16, _pow2(rows))
         _skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
             x_in, x_scale, data, scales, out, rows, n, k, WKIND=FP8 if fp8 else DENSE, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, **self._pdl)
         return out
 
     def int4_dequantize(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -569,7 +642,7 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
         block = min(1024, _pow2(k // 2))
         _int4_dequant_kernel[(n, triton.cdiv(k // 2, block))](w.packed, w.scales, w.offsets, out, k,
-                                                              GROUP=w.group_size, BLOCK=block)
+                                                              GROUP=w.group_size, BLOCK=block, **self._pdl)
         return out
 
     def _fp8_linear(self, x, w: Fp8Weight):
@@ -588,7 +661,8 @@ class CudaKernels(ReferenceKernels):
                         device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         if rows:
-            _fp8_quant_rows_kernel[(rows,)](x.contiguous(), q, scale, k, FMAX=FP8_MAX[fmt], BLOCK_K=_pow2(k))
+            _fp8_quant_rows_kernel[(rows,)](x.contiguous(), q, scale, k, FMAX=FP8_MAX[fmt], BLOCK_K=_pow2(k),
+                                            **self._pdl)
         return q, scale
 
     def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False):
@@ -633,10 +707,12 @@ class CudaKernels(ReferenceKernels):
         res_out = torch.empty_like(x) if has_res else x
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k)
         kind, data, scales, offsets, group = self._weight_kind(w)
-        _norm_gemv_kernel[(triton.cdiv(n_out, block_n), rows)](
+        # Rows unrolled a program: more rows share a W tile, fewer when the row is long (registers).
+        row_block = min(_pow2(rows), 8 if k <= 2048 else 4)
+        _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
-            k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
-            BLOCK_N=block_n, BLOCK_K=_pow2(k), num_warps=warps)
+            rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
+            BLOCK_N=block_n, BLOCK_K=_pow2(k), ROW_BLOCK=row_block, num_warps=warps, **self._pdl)
         return (out, res_out) if with_residual else out
 
     def decode_inputs(self, positions, live, tables, block_size):
@@ -645,10 +721,10 @@ class CudaKernels(ReferenceKernels):
         slots = torch.empty(rows, dtype=torch.int64, device=positions.device)
         ctx = torch.empty(rows, dtype=torch.int32, device=positions.device)
         _decode_inputs_kernel[(1,)](positions, live, tables, slots, ctx, rows, tables.stride(0),
-                                    BLOCK_SIZE=block_size, BLOCK=_pow2(rows))
+                                    BLOCK_SIZE=block_size, BLOCK=_pow2(rows), **self._pdl)
         return slots, ctx
 
     def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
         rows = tokens.shape[0]
         _decode_advance_kernel[(1,)](tokens, ids, positions, out_tokens, step_index, rows, out_tokens.stride(0),
-                                     BLOCK=_pow2(rows))
+                                     BLOCK=_pow2(rows), **self._pdl)

@@ -35,8 +35,6 @@ MAX_DECODE_STEPS = 16
 # its decode chunks stay short. Others decode long chunks; drafts that turn up meanwhile are checked against them.
 SPEC_DECODE_STEPS = 4
 DRAFTS_LANDING = 0.5  # rolling acceptance above which a request counts as drafting well
-# Verify steps of up to this many query rows run their projections as the register GEMV (L2 serves the re-reads).
-VERIFY_GEMV_ROWS = 8
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
@@ -99,13 +97,13 @@ class CudaGraphRunner(ModelRunner):
             t = rows * self.verify_len
             self.host_verify_ints = torch.zeros(len(_VERIFY_INT_FIELDS), t, dtype=torch.int64, **pinned)
             self.host_verify_floats = torch.zeros(len(_FLOAT_FIELDS), t, dtype=torch.float32, **pinned)
-            self.host_context = torch.zeros(rows, dtype=torch.int32, **pinned)
+            self.host_context = torch.zeros(t, dtype=torch.int32, **pinned)  # per query row: it attends as decode
             self.host_verify_out = torch.zeros(t, dtype=torch.int64, **pinned)
             self.dev_verify_ints = self.host_verify_ints.to(dev)
             self.dev_verify_floats = self.host_verify_floats.to(dev)
             self.dev_context = self.host_context.to(dev)
             self.verify_tokens = torch.zeros(t, dtype=torch.int64, device=dev)
-            self.verify_query_start = torch.arange(0, t + 1, self.verify_len, dtype=torch.int32, device=dev)
+            self.verify_query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.copy_done = torch.cuda.Event() if cuda else None
 
@@ -220,11 +218,19 @@ class CudaGraphRunner(ModelRunner):
             splits *= 2
         return splits
 
+    def _row_invariant(self, bucket: int) -> bool:
+        """Graphs of this bucket compute each row the same way whatever the step's row count (the register GEMV
+        for every projection and the vocabulary, attention per row), with or without speculation: a verify step
+        then reproduces decode's numbers bit for bit, so 16-bit speculative decoding is token-identical to plain
+        decoding. Up to spec_max_batch sequences, where speculation runs at all."""
+        return bucket <= self.profile.spec_max_batch
+
     def _capture(self, key: tuple[int, bool, int], body) -> torch.cuda.CUDAGraph:
         bucket, _, query_rows = key
         self.kernels.decode_splits = self._splits(bucket)
-        if query_rows > 1 and bucket * query_rows <= VERIFY_GEMV_ROWS:
-            self.kernels.gemv_max_rows = bucket * query_rows
+        if self._row_invariant(bucket):
+            self.kernels.gemv_max_rows = max(GEMV_MAX_ROWS, bucket * query_rows)
+            self.kernels.gemv_wide = True
         try:
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
@@ -238,7 +244,7 @@ class CudaGraphRunner(ModelRunner):
                 body()
         finally:
             self.kernels.decode_splits = 1
-            self.kernels.gemv_max_rows = GEMV_MAX_ROWS
+            self.kernels.gemv_max_rows, self.kernels.gemv_wide = GEMV_MAX_ROWS, False
         self.graphs[key] = graph
         self.graph_captures += 1
         return graph
@@ -291,7 +297,7 @@ class CudaGraphRunner(ModelRunner):
         ints[:, : bucket * q] = 0
         ints[2, : bucket * q] = -1  # pad rows and idle sequences write no KV
         floats[0, : bucket * q], floats[1, : bucket * q] = 0.0, 1.0
-        context[:bucket] = 0  # idle sequences attend to nothing
+        context[: bucket * q] = 0  # idle sequences attend to nothing
         for j, item in enumerate(batch):
             seq, n, start = item.seq, item.num_tokens, item.seq.num_computed
             rows, real = slice(j * q, (j + 1) * q), slice((j + 1) * q - n, (j + 1) * q)
@@ -303,26 +309,28 @@ class CudaGraphRunner(ModelRunner):
             ints[3, rows] = [noise_seed(seq.seed, p + 1) for p in positions]
             ints[4, rows] = seq.params.top_k
             floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
-            context[j] = start + n
+            context[rows] = [max(p, 0) + 1 for p in positions]  # each row sees the keys up to its own
             tables[j, : len(seq.block_table)] = seq.block_table
         n = len(batch)
         self.dev_verify_ints.copy_(self.host_verify_ints, non_blocking=True)
         self.dev_verify_floats.copy_(self.host_verify_floats, non_blocking=True)
-        self.dev_context.copy_(self.host_context, non_blocking=True)
+        self.dev_context[: bucket * q].copy_(self.host_context[: bucket * q], non_blocking=True)
         self.dev_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
 
     def _verify_body(self, rows: int, greedy: bool) -> None:
-        """One verify step on the static buffers: rows x (K + 1) query tokens, every one of them sampled."""
+        """One verify step on the static buffers: rows x (K + 1) query tokens, every one of them sampled. Each
+        query row attends as a decode row of its own (its context ends at its position; K + 1 rows share a block
+        table row), so it runs the decode step's attention kernel with the decode step's splits."""
         k, q = self.kernels, self.verify_len
         t = rows * q
         ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
         temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
         meta = AttentionMetadata(
             slot_mapping=slots,
-            query_start=self.verify_query_start[: rows + 1],
-            context_lens=self.dev_context[:rows],
+            query_start=self.verify_query_start[: t + 1],
+            context_lens=self.dev_context[:t],
             block_tables=self.dev_tables[:rows],
-            max_query_len=q,
+            max_query_len=1,
             max_context_len=self.table_width * self.block_size,
         )
         hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
