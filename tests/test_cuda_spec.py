@@ -21,7 +21,8 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
-from flashnext.plugins.cuda.runner import SPEC_DECODE_STEPS, CudaGraphRunner, _Lookahead  # noqa: E402
+from flashnext.plugins.cuda.runner import (SPEC_CHUNK_STEPS, SPEC_DECODE_STEPS, CudaGraphRunner,  # noqa: E402
+                                           _Lookahead)
 from flashnext.core.spec.adaptive import AcceptanceTracker  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,6 +75,40 @@ def test_padded_verify_rows_match_the_eager_verify(tiny_random):
     assert (slots[1, :2] == -1).all() and (slots[2, :3] == -1).all() and (slots[3] == -1).all()
 
 
+def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
+    """Device drafting + verify + accept, chained (the graph body run eagerly): the history it grows is the greedy
+    continuation step-by-step decoding gives, several tokens a step on a repetitive prompt."""
+    motif = [5, 9, 14, 3, 8, 21, 7]
+    prompt = motif * 4 + motif[:3]
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    assert runner.spec_rows == 4 and runner.spec_lookahead_tokens == SPEC_CHUNK_STEPS * 4
+    [seq] = _prefilled(runner, [prompt])
+    seq.params = SamplingParams(max_tokens=20, ignore_eos=True)
+    seq.block_table = list(range(16))  # room for the whole look-ahead
+    starts = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1)
+    for _ in range(3):
+        runner._spec_body(1, greedy=True)
+    ntok = int(runner.dev_spec[0, 0])
+    produced = runner.dev_hist[0, starts[0] : ntok].tolist()
+    stats = runner.dev_spec_stats[0].tolist()
+    assert stats[0] == 3 and len(produced) == 3 + stats[2] and stats[1] > 0
+
+    ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
+                             DEV, torch.float32)
+    ref = ModelRunner(ref_model, 32, 4, torch.float32)
+    [ref_seq] = _prefilled(ref, [prompt])
+    ref_seq.block_table = list(range(16))
+    expected = []
+    for _ in produced:
+        _, sampled = ref.run([ScheduledSeq(ref_seq, 1, 1)])
+        ref_seq.num_computed += 1
+        ref_seq.token_ids.append(int(sampled[0]))
+        expected.append(int(sampled[0]))
+    assert produced == expected
+
+
 def test_verify_only_for_full_decode_shaped_batches(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
@@ -108,8 +143,7 @@ def test_drafts_are_verified_against_the_lookahead(tiny_random):
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.num_computed = 5  # the chunk started at position 5 and sampled positions 6..11
-    column = np.array([[50], [51], [52], [53], [54], [55]])
-    runner._ahead = _Lookahead([seq], [5], column)
+    runner._ahead = _Lookahead([seq], [5], [np.array([50, 51, 52, 53, 54, 55])])
     seq.token_ids += [50]  # one step consumed
     seq.num_computed = 6
     seq.draft_ids = [51, 52, 99]

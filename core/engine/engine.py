@@ -52,7 +52,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
         self.spec = None if profile.spec == "none" else SpecDecoder(
-            profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len)
+            profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
+            reserve=self.runner.spec_lookahead_tokens)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
 
     def _kv_dtype(self) -> torch.dtype:
@@ -155,7 +156,9 @@ class LLMEngine:
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
-        return (self.spec.stats if self.spec else SpecStats()).as_dict()
+        stats = (self.spec.stats if self.spec else SpecStats()).as_dict()
+        device = self.runner.spec_stats()
+        return stats | {"device": device} if device is not None else stats
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]

@@ -23,6 +23,10 @@ class StepInputs:
 class ModelRunner:
     """Generic runner; a backend may subclass it to capture graphs or fuse the step."""
 
+    # KV slots past a sequence's end that the runner may fill on its own (speculative look-ahead on the device):
+    # the spec decoder keeps that many allocated beyond each drafting sequence.
+    spec_lookahead_tokens = 0
+
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
         cfg = model.config
         self.model, self.block_size, self.device = model, block_size, model.device
@@ -47,6 +51,10 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+
+    def spec_stats(self) -> dict | None:
+        """Counters of speculative verify steps the runner ran without the engine (None: it runs none)."""
+        return None
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
         ids, positions, slots, query_lens, context_lens, rows = [], [], [], [], [], []

@@ -60,8 +60,9 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
 
 class SpecDecoder:
     def __init__(self, profile: Profile, model: DecoderModel, weights: dict, blocks: BlockManager,
-                 kv_dtype: torch.dtype, max_model_len: int):
+                 kv_dtype: torch.dtype, max_model_len: int, reserve: int = 0):
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
+        self.reserve = reserve  # slots kept past a drafting sequence's end for the runner's own look-ahead
         self.drafter: Drafter = (
             MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
             if profile.spec == "mtp" else NgramDrafter()
@@ -106,7 +107,8 @@ class SpecDecoder:
         # The verify step's slots come from free blocks, taken now: drafts never preempt anyone to make room.
         if k <= 0 or not self.blocks.can_grow(seq, len(seq) + k):
             return 0
-        self.blocks.grow(seq, len(seq) + k)
+        ahead = min(len(seq) + max(k, self.reserve), self.max_model_len)
+        self.blocks.grow(seq, ahead if self.blocks.can_grow(seq, ahead) else len(seq) + k)
         return k
 
     def _propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> None:
@@ -115,4 +117,5 @@ class SpecDecoder:
                 drafts += [drafts[-1]] * (r.k - len(drafts))  # padding keeps the shape; it is verified like any draft
             if r.k:
                 r.seq.draft_ids = drafts
-                self.blocks.truncate(r.seq, len(r.seq) + len(drafts))  # give back slots a short draft left unused
+                # Give back slots a short draft left unused (the reserve stays for the runner's look-ahead).
+                self.blocks.truncate(r.seq, len(r.seq) + max(len(drafts), self.reserve))

@@ -476,6 +476,100 @@ def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, o
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Speculative decoding on the device: n-gram drafts and their verdicts, so verify steps chain without the host
+
+
+@triton.jit
+def _ngram_hit(hist, ntok, n: tl.constexpr, K: tl.constexpr, SCAN: tl.constexpr):
+    """(start of the latest earlier copy of the last n tokens with K tokens after it, else of the earliest copy,
+    else -1): the choice NgramDrafter.lookup makes. A copy must end before the last token (a token follows it)."""
+    latest_whole = tl.full([], -1, tl.int64)
+    earliest = tl.full([], 1 << 40, tl.int64)
+    for base in range(0, ntok, SCAN):
+        i = base + tl.arange(0, SCAN).to(tl.int64)
+        hit = i + n < ntok  # (so ntok > n too)
+        for back in tl.static_range(n):
+            suffix = tl.load(hist + tl.maximum(ntok - n + back, 0))  # hits need ntok > n: then in range
+            hit = hit & (tl.load(hist + i + back, mask=hit, other=-1) == suffix)
+        latest_whole = tl.maximum(latest_whole, tl.max(tl.where(hit & (i + n + K <= ntok), i, -1), axis=0))
+        earliest = tl.minimum(earliest, tl.min(tl.where(hit, i, 1 << 40), axis=0))
+    return tl.where(latest_whole >= 0, latest_whole, tl.where(earliest < (1 << 40), earliest, -1))
+
+
+@triton.jit
+def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req_seed_ptr, ids_ptr, pos_ptr, slot_ptr,
+                       ctx_ptr, seed_ptr, n_draft_ptr, hist_stride, table_stride, K: tl.constexpr,
+                       Q_BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       SCAN: tl.constexpr, PDL: tl.constexpr):
+    """Row j: drafts from its own history (prompt lookup, longest n-gram first) and its K + 1 verify inputs.
+
+    Row r of the verify step feeds token hist[ntok - 1] (r = 0) or draft r - 1 at position ntok - 1 + r. Rows past
+    the drafts, past the sequence's writable slots (max_pos) or of a finished sequence (ntok = cap) write no KV and
+    attend to nothing; n_draft = -1 marks a row that takes no step at all."""
+    _after_producer(PDL)
+    j = tl.program_id(0)
+    hist = hist_ptr + j * hist_stride
+    ntok = tl.load(ntok_ptr + j)
+    cap = tl.load(cap_ptr + j)
+    max_pos = tl.load(max_pos_ptr + j)
+    start = tl.full([], -1, tl.int64)
+    n_hit = tl.full([], 0, tl.int64)
+    for back in tl.static_range(MAX_N - MIN_N + 1):
+        n = MAX_N - back
+        hit = _ngram_hit(hist, ntok, n, K, SCAN)
+        take = (start < 0) & (hit >= 0)
+        start = tl.where(take, hit, start)
+        n_hit = tl.where(take, n, n_hit)
+    active = (ntok < cap) & (ntok - 1 <= max_pos) & (ntok > 0)
+    n_draft = tl.where(start >= 0, tl.minimum(ntok - start - n_hit, K), 0)
+    n_draft = tl.maximum(tl.minimum(n_draft, tl.minimum(cap - ntok - 1, max_pos - ntok + 1)), 0)
+    n_draft = tl.where(active, n_draft, -1)  # an inactive row verifies nothing, its own token included
+    r = tl.arange(0, Q_BLOCK)
+    q_ok = r <= K
+    live = r <= n_draft
+    last = tl.load(hist + tl.maximum(ntok - 1, 0))
+    draft = tl.load(hist + start + n_hit + r - 1, mask=live & (r > 0), other=0)
+    pos = tl.where(live, ntok - 1 + r, 0)
+    block = tl.load(tables_ptr + j * table_stride + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    row = j * (K + 1) + r
+    tl.store(ids_ptr + row, tl.where(r > 0, tl.where(live, draft, last), last), mask=q_ok)
+    tl.store(pos_ptr + row, pos, mask=q_ok)
+    tl.store(slot_ptr + row, tl.where(live, block * BLOCK_SIZE + pos % BLOCK_SIZE, -1), mask=q_ok)
+    tl.store(ctx_ptr + row, tl.where(live, pos + 1, 0).to(tl.int32), mask=q_ok)
+    # The noise key of the token drawn at position pos + 1, as the decode step computes it.
+    seed = tl.load(req_seed_ptr + j)
+    tl.store(seed_ptr + row, (seed * 1_000_003 + pos + 1) & ((1 << 62) - 1), mask=q_ok)
+    tl.store(n_draft_ptr + j, n_draft.to(tl.int32))
+
+
+@triton.jit
+def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, hist_stride,
+                        K: tl.constexpr, Q_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
+    accepted drafts and the token after them) extend the history. stats[j]: steps, drafted, accepted, then the
+    accepted count at each draft position."""
+    _after_producer(PDL)
+    j = tl.program_id(0)
+    n_draft = tl.load(n_draft_ptr + j)
+    if n_draft >= 0:
+        ntok = tl.load(ntok_ptr + j)
+        cap = tl.load(cap_ptr + j)
+        r = tl.arange(0, Q_BLOCK)
+        sampled = tl.load(sampled_ptr + j * (K + 1) + r, mask=r <= K, other=0)
+        draft = tl.load(ids_ptr + j * (K + 1) + r + 1, mask=r < K, other=0)
+        miss = (r >= n_draft) | (draft != sampled)
+        n_acc = tl.min(tl.where(miss, r, Q_BLOCK), axis=0)
+        take = tl.minimum(n_acc + 1, cap - ntok)
+        tl.store(hist_ptr + j * hist_stride + ntok + r, sampled, mask=r < take)
+        tl.store(ntok_ptr + j, ntok + take)
+        stats = stats_ptr + j * (3 + K)
+        tl.store(stats, tl.load(stats) + 1)
+        tl.store(stats + 1, tl.load(stats + 1) + n_draft)
+        tl.store(stats + 2, tl.load(stats + 2) + n_acc)
+        tl.store(stats + 3 + r, tl.load(stats + 3 + r, mask=r < K, other=0) + (r < n_acc), mask=r < K)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def skinny_config(n: int, k: int) -> tuple[int, int, int]:
@@ -723,6 +817,20 @@ class CudaKernels(ReferenceKernels):
         _decode_inputs_kernel[(1,)](positions, live, tables, slots, ctx, rows, tables.stride(0),
                                     BLOCK_SIZE=block_size, BLOCK=_pow2(rows), **self._pdl)
         return slots, ctx
+
+    def spec_draft(self, state, verify, tables, block_size: int, k: int, min_n: int, max_n: int) -> None:
+        """n-gram drafts for every row of `state` (hist, ntok, cap, max_pos, req_seed, n_draft) written as the
+        inputs of a K + 1-row verify step (`verify`: ids, positions, slots, ctx, seeds)."""
+        hist, ntok, cap, max_pos, req_seed, n_draft = state
+        ids, positions, slots, ctx, seeds = verify
+        _spec_draft_kernel[(hist.shape[0],)](
+            hist, ntok, cap, max_pos, tables, req_seed, ids, positions, slots, ctx, seeds, n_draft, hist.stride(0),
+            tables.stride(0), K=k, Q_BLOCK=_pow2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_SIZE=block_size,
+            SCAN=1024, **self._pdl)
+
+    def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, k: int) -> None:
+        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0), K=k,
+                                              Q_BLOCK=_pow2(k + 1), **self._pdl)
 
     def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
         rows = tokens.shape[0]

@@ -9,11 +9,14 @@ look-ahead. Sampling noise is keyed by (seed, position), so the look-ahead token
 step-by-step decoding would draw.
 
 With n-gram speculative decoding, a verify step (each sequence: its last token + up to K drafts) replays a graph
-too: K + 1 query rows per sequence and bucket, a sequence's real tokens at the end of its rows (the attention kernel
-puts the last query at the context's end), pad rows in front writing no KV (slot -1), every row sampled on the
-device, one host sync per step. Drafting happens on the host between steps. MTP drafts from the step's hidden
-states, so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the
-same fused kernels.
+too: K + 1 query rows per sequence and bucket, a sequence's real tokens at the end of its rows, pad rows in front
+writing no KV (slot -1), each row attending as a decode row of its own, every row sampled on the device, one host
+sync per step. Drafting happens on the host between steps. Better still, a "spec chunk" chains up to
+SPEC_CHUNK_STEPS verify steps on the device in one round trip: each replay drafts from the sequence's own history
+(the prompt lookup of NgramDrafter), verifies, and appends the accepted drafts plus the target's next token to that
+history. What comes back is a look-ahead like decode's (the tokens plain decoding gives, only sooner), against
+which the engine's own drafts are then judged. MTP drafts from the step's hidden states, so it runs eagerly.
+Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
 
+from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
+
 from .forward import forward
 from .kernels import GEMV_MAX_ROWS
 
@@ -35,18 +40,28 @@ MAX_DECODE_STEPS = 16
 # its decode chunks stay short. Others decode long chunks; drafts that turn up meanwhile are checked against them.
 SPEC_DECODE_STEPS = 4
 DRAFTS_LANDING = 0.5  # rolling acceptance above which a request counts as drafting well
+# Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
+SPEC_CHUNK_STEPS = 8
+# A spec chunk must yield this many tokens per verify step (accepted drafts + 1) to beat plain decoding, whose
+# step costs ~0.8 of a K + 1-row verify step; below it the runner decodes plainly for a few round trips, retrying
+# after SPEC_CHUNK_PAUSE, then twice as many, up to SPEC_CHUNK_MAX_PAUSE.
+SPEC_CHUNK_MIN_YIELD = 1.5
+SPEC_CHUNK_PAUSE, SPEC_CHUNK_MAX_PAUSE = 2, 64
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
 _FLOAT_FIELDS = ("temperature", "top_p")
 _VERIFY_INT_FIELDS = ("input_ids", "positions", "slots", "noise_seed", "top_k")
+# Per-sequence state of a spec chunk: tokens known (history length), the length it stops at, the last position
+# whose KV slot it owns, the request seed.
+_SPEC_FIELDS = ("ntok", "cap", "max_pos", "request_seed")
 
 
 @dataclass
 class _Lookahead:
     seqs: list[Sequence]
     start_positions: list[int]
-    tokens: np.ndarray  # [steps, batch]: step s sampled the token at position start + s + 1
+    tokens: list[np.ndarray]  # per sequence: tokens[j][s] is the token at position start + s + 1
 
 
 class CudaGraphRunner(ModelRunner):
@@ -70,12 +85,17 @@ class CudaGraphRunner(ModelRunner):
         self.verify_len = 1 + profile.spec_tokens if profile.spec == "ngram" else 0  # query rows a sequence
         self.verify_steps_run = 0
         self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
-        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, query rows)
+        self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
-        if self.use_graphs and self.buckets:
+        self.use_graphs = self.use_graphs and bool(self.buckets)
+        # Spec chunks for batches up to spec_max_batch (row-invariant buckets, so their tokens are decode's).
+        spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
+        self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
+        self.spec_lookahead_tokens = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
+        self.spec_pause, self.spec_next_pause = 0, SPEC_CHUNK_PAUSE
+        self.spec_totals = np.zeros(3 + profile.spec_tokens, dtype=np.int64)  # steps, drafted, accepted, per position
+        if self.use_graphs:
             self._init_static(max(self.buckets))
-        else:
-            self.use_graphs = False
 
     def _init_static(self, rows: int) -> None:
         cfg, dev = self.model.config, self.device
@@ -104,6 +124,15 @@ class CudaGraphRunner(ModelRunner):
             self.dev_context = self.host_context.to(dev)
             self.verify_tokens = torch.zeros(t, dtype=torch.int64, device=dev)
             self.verify_query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
+        if self.spec_rows:
+            r, width = self.spec_rows, self.table_width * self.block_size
+            self.host_hist = torch.zeros(r, width, dtype=torch.int64, **pinned)
+            self.host_spec = torch.zeros(len(_SPEC_FIELDS), r, dtype=torch.int64, **pinned)
+            self.host_spec_stats = torch.zeros(r, 3 + self.verify_len - 1, dtype=torch.int64, **pinned)
+            self.dev_hist = self.host_hist.to(dev)
+            self.dev_spec = self.host_spec.to(dev)
+            self.dev_spec_stats = self.host_spec_stats.to(dev)
+            self.dev_n_draft = torch.zeros(r, dtype=torch.int32, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.copy_done = torch.cuda.Event() if cuda else None
 
@@ -116,9 +145,15 @@ class CudaGraphRunner(ModelRunner):
             cached = self._from_lookahead(batch)
             if cached is not None:
                 return None, cached
-            if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
+            decode_shaped = all(i.num_tokens == 1 and i.num_logits == 1 for i in batch)
+            verifiable = self._verifiable(batch)
+            if (decode_shaped or verifiable) and self._spec_chunk_wanted(batch):
+                rows = self._spec_chunk(batch)
+                if rows is not None:
+                    return None, rows
+            if decode_shaped:
                 return None, self._decode(batch)
-            if self._verifiable(batch):
+            if verifiable:
                 self._ahead = None
                 return None, self._verify(batch)
         self._ahead = None
@@ -133,9 +168,9 @@ class CudaGraphRunner(ModelRunner):
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         self._fill_inputs(batch, bucket)
-        graph = self.graphs.get((bucket, greedy, 1))
+        graph = self.graphs.get((bucket, greedy, "decode"))
         if graph is None:
-            graph = self._capture((bucket, greedy, 1), lambda: self._decode_body(bucket, greedy))
+            graph = self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
             self._fill_inputs(batch, bucket)
         self.step_index.zero_()
         for _ in range(steps):
@@ -143,7 +178,7 @@ class CudaGraphRunner(ModelRunner):
         self.graph_replays += steps
         self.decode_steps_run += steps
         tokens = self._to_host(self.out_tokens, self.host_out)[:steps, : len(batch)].copy()
-        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
+        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
         return torch.from_numpy(tokens[0])
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -156,10 +191,10 @@ class CudaGraphRunner(ModelRunner):
             return None
         rows: list[int] = []
         for j, item in enumerate(batch):
-            seq, column = item.seq, ahead.tokens[:, j]
+            seq, column = item.seq, ahead.tokens[j]
             step = seq.num_computed - ahead.start_positions[j]  # the step that sampled the token after the last
-            if (seq is not ahead.seqs[j] or item.num_logits != item.num_tokens or not 1 <= step < len(column)
-                    or seq.token_ids[seq.num_computed] != column[step - 1]):
+            if (seq is not ahead.seqs[j] or item.num_logits != item.num_tokens or not 0 <= step < len(column)
+                    or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
                 return None
             drafts = seq.draft_ids[: item.num_tokens - 1]
             n = 0
@@ -225,8 +260,8 @@ class CudaGraphRunner(ModelRunner):
         decoding. Up to spec_max_batch sequences, where speculation runs at all."""
         return bucket <= self.profile.spec_max_batch
 
-    def _capture(self, key: tuple[int, bool, int], body) -> torch.cuda.CUDAGraph:
-        bucket, _, query_rows = key
+    def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
+        bucket = key[0]
         self.kernels.decode_splits = self._splits(bucket)
         if self._row_invariant(bucket):
             self.kernels.gemv_max_rows = max(GEMV_MAX_ROWS, bucket * query_rows)
@@ -276,9 +311,9 @@ class CudaGraphRunner(ModelRunner):
     def _verify(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
-        key = (bucket, greedy, self.verify_len)
+        key = (bucket, greedy, "verify")
         self._fill_verify(batch, bucket)
-        graph = self.graphs.get(key) or self._capture(key, lambda: self._verify_body(bucket, greedy))
+        graph = self.graphs.get(key) or self._capture(key, lambda: self._verify_body(bucket, greedy), self.verify_len)
         graph.replay()
         self.graph_replays += 1
         self.verify_steps_run += 1
@@ -337,3 +372,108 @@ class CudaGraphRunner(ModelRunner):
         logits = k.linear(hidden, self.model.lm_head)  # 16-bit, as in the decode graph
         sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
         self.verify_tokens[:t].copy_(sampled)
+
+    # --- spec chunks: verify steps chained on the device ------------------------------------------------------
+    def _spec_chunk_wanted(self, batch: list[ScheduledSeq]) -> bool:
+        if not self.spec_rows or len(batch) > self.spec_rows:
+            return False
+        if self.spec_pause:
+            self.spec_pause -= 1
+            return False
+        return all(i.seq.spec_enabled and not (i.seq.spec_tracker and i.seq.spec_tracker.pause_left) for i in batch)
+
+    def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
+        bucket = next(b for b in self.buckets if b >= len(batch))
+        greedy = all(item.seq.params.temperature == 0 for item in batch)
+        key = (bucket, greedy, "spec")
+        starts = self._fill_spec(batch, bucket)
+        if key not in self.graphs:
+            self._capture(key, lambda: self._spec_body(bucket, greedy), self.verify_len)
+            starts = self._fill_spec(batch, bucket)  # the capture's warm-up stepped the state
+        graph = self.graphs[key]
+        for _ in range(SPEC_CHUNK_STEPS):
+            graph.replay()
+        self.graph_replays += SPEC_CHUNK_STEPS
+        end = min(max(starts) + SPEC_CHUNK_STEPS * self.verify_len, self.host_hist.shape[1])
+        self.host_spec[0, :bucket].copy_(self.dev_spec[0, :bucket], non_blocking=True)
+        self.host_spec_stats[:bucket].copy_(self.dev_spec_stats[:bucket], non_blocking=True)
+        hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end])
+        ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
+        self._record_yield(stats)
+        tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
+        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
+        return self._from_lookahead(batch)
+
+    def _record_yield(self, stats: np.ndarray) -> None:
+        """Device counters of one chunk; a chunk that yields too little pauses chunks for a while."""
+        self.spec_totals += stats
+        steps, accepted = int(stats[0]), int(stats[2])
+        if steps and (steps + accepted) / steps < SPEC_CHUNK_MIN_YIELD:
+            self.spec_pause = self.spec_next_pause
+            self.spec_next_pause = min(2 * self.spec_next_pause, SPEC_CHUNK_MAX_PAUSE)
+        elif steps:
+            self.spec_next_pause = SPEC_CHUNK_PAUSE
+
+    def _fill_spec(self, batch: list[ScheduledSeq], bucket: int) -> list[int]:
+        """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
+        lengths (the look-ahead starts after them)."""
+        q = self.verify_len
+        hist, state, tables = self.host_hist.numpy(), self.host_spec.numpy(), self.host_tables.numpy()
+        ints, floats = self.host_verify_ints.numpy(), self.host_verify_floats.numpy()
+        state[:, :bucket] = 0  # idle rows: an empty history takes no step
+        ints[4, : bucket * q] = 0
+        floats[0, : bucket * q], floats[1, : bucket * q] = 0.0, 1.0
+        max_len = self.table_width * self.block_size
+        starts = []
+        for j, item in enumerate(batch):
+            seq = item.seq
+            n = seq.num_computed + 1  # the last known token is not in the KV cache yet
+            hist[j, :n] = seq.token_ids[:n]
+            wanted = seq.params.max_tokens - (n - seq.num_prompt)
+            owned = min(len(seq.block_table) * self.block_size, n + self.spec_lookahead_tokens)
+            state[:, j] = (n, min(n + wanted, max_len), owned - 1, seq.seed)
+            tables[j, : len(seq.block_table)] = seq.block_table
+            rows = slice(j * q, (j + 1) * q)
+            ints[4, rows] = seq.params.top_k
+            floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
+            starts.append(n)
+        width = max(starts)
+        self.dev_hist[:bucket, :width].copy_(self.host_hist[:bucket, :width], non_blocking=True)
+        self.dev_spec[:, :bucket].copy_(self.host_spec[:, :bucket], non_blocking=True)
+        self.dev_spec_stats[:bucket].zero_()
+        self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
+        self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
+        self.dev_tables[: len(batch)].copy_(self.host_tables[: len(batch)], non_blocking=True)
+        return starts
+
+    def _spec_body(self, rows: int, greedy: bool) -> None:
+        """One device verify step of a spec chunk: draft, verify K + 1 rows a sequence (as decode rows), accept."""
+        k, q = self.kernels, self.verify_len
+        t = rows * q
+        ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
+        ntok, cap, max_pos, request_seed = (self.dev_spec[i, :rows] for i in range(len(_SPEC_FIELDS)))
+        hist, n_draft, context = self.dev_hist[:rows], self.dev_n_draft[:rows], self.dev_context[:t]
+        k.spec_draft((hist, ntok, cap, max_pos, request_seed, n_draft), (ids, positions, slots, context, seeds),
+                     self.dev_tables[:rows], self.block_size, q - 1, MIN_NGRAM, MAX_NGRAM)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start=self.verify_query_start[: t + 1],
+            context_lens=context,
+            block_tables=self.dev_tables[:rows],
+            max_query_len=1,
+            max_context_len=self.table_width * self.block_size,
+        )
+        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
+        logits = k.linear(hidden, self.model.lm_head)
+        temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
+        sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
+        k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
+
+    def spec_stats(self) -> dict | None:
+        if not self.spec_rows:
+            return None
+        steps, drafted, accepted = (int(x) for x in self.spec_totals[:3])
+        return {"verify_steps": steps, "drafted": drafted, "accepted": accepted,
+                "accepted_per_position": self.spec_totals[3:].tolist(),
+                "tokens_per_step": round((steps + accepted) / steps, 4) if steps else 0.0}
