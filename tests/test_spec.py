@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures import tiny_weights, write_tiny_hf_model
+
 from flashnext.core.engine.engine import GIB, LLMEngine
+from flashnext.core.engine.runner import ModelRunner
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
 from flashnext.core.loader import load_model
@@ -172,6 +174,25 @@ def test_drafting_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny):
     roomy = engine_for(tiny, "ngram", 4, spec_max_batch=3)
     generate(roomy, prompts, GREEDY)
     assert roomy.spec_stats()["drafts"] > 0
+
+
+def test_blocks_reserved_for_a_runner_lookahead_are_never_swapped(tiny, monkeypatch):
+    """A runner that fills KV slots ahead of the sequence (CUDA spec chunks) relies on those blocks staying in the
+    table through draft rollbacks: the table up to len + reserve only ever grows."""
+    monkeypatch.setattr(ModelRunner, "spec_lookahead_tokens", 24)
+    engine = engine_for(tiny, "ngram", 4)
+    prompts = copy_heavy_prompts(tiny, count=2, seed=3)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+    kept: dict = {}
+    while engine.has_work():
+        engine.step()
+        for seq in seqs:
+            before = kept.get(id(seq), [])
+            assert seq.block_table[: len(before)] == before or seq.finish_reason
+            kept[id(seq)] = seq.block_table[: -(-(len(seq) + 24) // BS)]
+    assert engine.spec_stats()["accepted"] > 0
+    assert [s.output_ids for s in seqs] == generate(engine_for(tiny), prompts, SamplingParams(max_tokens=40,
+                                                                                              ignore_eos=True))
 
 
 def test_per_request_opt_out(tiny):

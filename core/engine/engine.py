@@ -146,8 +146,8 @@ class LLMEngine:
                     if reason:
                         break
                 seq.num_computed += len(new) - 1  # accepted drafts; the last new token is computed next step
-            if drafts:
-                self.blocks.truncate(seq, len(seq))  # roll back the blocks of rejected drafts
+            if drafts:  # roll back the blocks of rejected drafts, short of the runner's look-ahead reserve
+                self.blocks.truncate(seq, len(seq) + self.spec.reserve)
             self.blocks.commit_full_blocks(seq)
             if reason:
                 self.scheduler.finish(seq, reason)

@@ -480,7 +480,7 @@ def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, o
 
 
 @triton.jit
-def _ngram_hit(hist, ntok, n: tl.constexpr, K: tl.constexpr, SCAN: tl.constexpr):
+def _ngram_hit(hist, ntok, n, MAX_N: tl.constexpr, K: tl.constexpr, SCAN: tl.constexpr):
     """(start of the latest earlier copy of the last n tokens with K tokens after it, else of the earliest copy,
     else -1): the choice NgramDrafter.lookup makes. A copy must end before the last token (a token follows it)."""
     latest_whole = tl.full([], -1, tl.int64)
@@ -488,9 +488,10 @@ def _ngram_hit(hist, ntok, n: tl.constexpr, K: tl.constexpr, SCAN: tl.constexpr)
     for base in range(0, ntok, SCAN):
         i = base + tl.arange(0, SCAN).to(tl.int64)
         hit = i + n < ntok  # (so ntok > n too)
-        for back in tl.static_range(n):
+        for back in tl.static_range(MAX_N):  # the first n tokens of the copy must equal the suffix
             suffix = tl.load(hist + tl.maximum(ntok - n + back, 0))  # hits need ntok > n: then in range
-            hit = hit & (tl.load(hist + i + back, mask=hit, other=-1) == suffix)
+            same = tl.load(hist + i + back, mask=hit & (i + back < ntok), other=-1) == suffix
+            hit = hit & (same | (i * 0 + back >= n))
         latest_whole = tl.maximum(latest_whole, tl.max(tl.where(hit & (i + n + K <= ntok), i, -1), axis=0))
         earliest = tl.minimum(earliest, tl.min(tl.where(hit, i, 1 << 40), axis=0))
     return tl.where(latest_whole >= 0, latest_whole, tl.where(earliest < (1 << 40), earliest, -1))
@@ -516,7 +517,7 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
     n_hit = tl.full([], 0, tl.int64)
     for back in tl.static_range(MAX_N - MIN_N + 1):
         n = MAX_N - back
-        hit = _ngram_hit(hist, ntok, n, K, SCAN)
+        hit = _ngram_hit(hist, ntok, n, MAX_N, K, SCAN)
         take = (start < 0) & (hit >= 0)
         start = tl.where(take, hit, start)
         n_hit = tl.where(take, n, n_hit)
