@@ -268,17 +268,21 @@ def test_fp8_scaled_mm_linear_close_to_reference():
     assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 2e-3
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
-def test_gemv_rows_are_computed_as_one_row_calls(kind):
+@pytest.mark.parametrize("kind,k,rows", [("bf16", 128, 6), ("fp8", 128, 6), ("int4", 128, 6), ("bf16", 576, 3),
+                                         ("bf16", 576, 5), ("bf16", 1536, 8), ("int4", 576, 5)])
+def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows):
     """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
-    and silu included, is bit-equal to a one-row call on row i alone."""
-    w = torch.randn(2 * 24, 128) * 0.1
+    and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536)."""
+    w = torch.randn(2 * 24, k) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind]
     w = w.to(DEV)
-    x, res, w_norm = rand(6, 128), rand(6, 128), rand(128)
+    x, res, w_norm = rand(rows, k), rand(rows, k), rand(k)
     kernels = CudaKernels()
-    kernels.gemv_max_rows = 6
+    kernels.gemv_max_rows = rows
     many, many_res = kernels.norm_linear(x, res, w_norm, 1e-6, w, silu=True)
-    for i in range(6):
+    for i in range(rows):
         one, one_res = kernels.norm_linear(x[i : i + 1], res[i : i + 1], w_norm, 1e-6, w, silu=True)
         assert torch.equal(one[0], many[i]) and torch.equal(one_res[0], many_res[i])
+    wide = rand(300, k, scale=0.1)  # the vocabulary projection: no norm, plain rows
+    kernels.gemv_wide = True
+    assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], kernels.linear(x, wide)[i]) for i in range(rows))

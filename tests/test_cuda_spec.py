@@ -21,9 +21,8 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
-from flashnext.plugins.cuda.runner import (SPEC_CHUNK_STEPS, SPEC_DECODE_STEPS, CudaGraphRunner,  # noqa: E402
+from flashnext.plugins.cuda.runner import (MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner,  # noqa: E402
                                            _Lookahead)
-from flashnext.core.spec.adaptive import AcceptanceTracker  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
@@ -121,20 +120,18 @@ def test_verify_only_for_full_decode_shaped_batches(tiny_random):
     assert not mtp.use_graphs  # MTP drafts from hidden states: eager
 
 
-def test_lookahead_chunks_short_only_while_drafts_land(tiny_random):
+def test_lookahead_chunks_stay_within_the_blocks_rollback_keeps(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    assert runner.spec_lookahead_tokens == SPEC_CHUNK_STEPS * 4
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
-    seq.block_table, seq.num_computed = list(range(4)), 5  # 6 tokens: 1 block keeps them, 3 more were grown
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 3  # not into blocks a short draft gives back
-    seq.token_ids += [1, 2, 3, 4]
-    seq.num_computed = 9
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 7  # no tracker yet: to the end of the block
-    seq.spec_tracker = AcceptanceTracker(k=3, k_max=3, rate=0.9)
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == SPEC_DECODE_STEPS
-    seq.spec_tracker.pause_left = 5
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 7
+    seq.block_table, seq.num_computed = list(range(2)), 5
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 11  # to the end of the owned blocks
+    seq.block_table = list(range(8))
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == MAX_DECODE_STEPS  # the reserve is kept
+    runner.spec_lookahead_tokens = 0
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 3  # without one, only the block holding len(seq)
 
 
 def test_drafts_are_verified_against_the_lookahead(tiny_random):
@@ -194,3 +191,67 @@ def test_verify_rows_through_the_gemv_match_one_row_decode():
     rows = kernels.linear(x, w)
     assert all(torch.equal(rows[i], kernels.linear(x[i : i + 1], w)[0]) for i in range(5))
     assert torch.allclose(rows, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay runs the body with the capture-time settings."""
+
+    def __init__(self, runner, key, body, query_rows):
+        self.runner, self.key, self.body, self.query_rows = runner, key, body, query_rows
+
+    def replay(self):
+        runner, kernels = self.runner, self.runner.kernels
+        kernels.decode_splits = runner._splits(self.key[0])
+        if runner._row_invariant(self.key[0]):
+            kernels.gemv_max_rows, kernels.gemv_wide = max(kernels.gemv_max_rows, self.key[0] * self.query_rows), True
+        try:
+            self.body()
+        finally:
+            kernels.decode_splits, kernels.gemv_max_rows, kernels.gemv_wide = 1, 4, False
+
+
+@pytest.fixture
+def cuda_engine_on_cpu(monkeypatch, tiny_random):
+    """LLMEngines running the whole CUDA runner (decode look-ahead, verify, spec chunks) on the CPU, graphs eager."""
+    from flashnext.core.engine.engine import LLMEngine
+    from flashnext.plugins.cuda import CudaBackend
+
+    def capture(self, key, body, query_rows):
+        self.graphs[key] = _EagerGraph(self, key, body, query_rows)
+        self.graph_captures += 1
+        return self.graphs[key]
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
+    monkeypatch.setattr(CudaGraphRunner, "_to_host", lambda self, tokens, host: host.copy_(tokens).numpy())
+
+    class CpuCuda(CudaBackend):
+        def device(self):
+            return torch.device("cpu")
+
+        def free_memory_bytes(self):
+            return 1 << 28
+
+        def peak_memory_bytes(self, run):
+            run()
+            return 0
+
+    def make(**settings):
+        backend = CpuCuda()
+        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
+        return LLMEngine(backend, tiny_random, "fp32", profile)
+
+    return make
+
+
+@pytest.mark.slow
+def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu):
+    """The whole CUDA speculative path through the engine (host drafts judged against device chunks, rollback,
+    block reserve, chunk limits at max_tokens) gives --spec none's tokens for a batch. Small: the interpreter
+    takes about a second a step."""
+    motifs = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2)).tolist()
+    prompts = [(m * 5)[: 30 + 4 * i] for i, m in enumerate(motifs)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [s.output_ids for s in cuda_engine_on_cpu(spec="none").generate(prompts, params)]
+    spec = cuda_engine_on_cpu(spec="ngram", spec_tokens=4)
+    assert [s.output_ids for s in spec.generate(prompts, params)] == want
+    assert spec.spec_stats()["device"]["verify_steps"] > 0

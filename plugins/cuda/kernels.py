@@ -803,7 +803,7 @@ class CudaKernels(ReferenceKernels):
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k)
         kind, data, scales, offsets, group = self._weight_kind(w)
         # Rows unrolled a program: more rows share a W tile, fewer when the row is long (registers).
-        row_block = min(_pow2(rows), 8 if k <= 2048 else 4)
+        row_block = max(1, min(rows, 8 if k <= 2048 else 4))
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
             rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,

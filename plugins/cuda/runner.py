@@ -19,6 +19,7 @@ which the engine's own drafts are then judged. MTP drafts from the step's hidden
 Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,17 +37,14 @@ from .forward import forward
 from .kernels import GEMV_MAX_ROWS
 
 MAX_DECODE_STEPS = 16
-# A request whose drafts keep landing drafts again at once, and a verify step beats decoding the look-ahead:
-# its decode chunks stay short. Others decode long chunks; drafts that turn up meanwhile are checked against them.
-SPEC_DECODE_STEPS = 4
-DRAFTS_LANDING = 0.5  # rolling acceptance above which a request counts as drafting well
 # Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
 SPEC_CHUNK_STEPS = 8
-# A spec chunk must yield this many tokens per verify step (accepted drafts + 1) to beat plain decoding, whose
-# step costs ~0.8 of a K + 1-row verify step; below it the runner decodes plainly for a few round trips, retrying
-# after SPEC_CHUNK_PAUSE, then twice as many, up to SPEC_CHUNK_MAX_PAUSE.
-SPEC_CHUNK_MIN_YIELD = 1.5
-SPEC_CHUNK_PAUSE, SPEC_CHUNK_MAX_PAUSE = 2, 64
+# Spec chunks run only while they produce tokens faster than plain decode chunks, both measured here (wall time
+# of the round trip, graph captures excluded): what a verify step costs against a decode step depends on the model,
+# the batch and the GPU, and what it yields on the text. The losing kind is retried after SPEC_RETRY round trips,
+# then twice as many, up to SPEC_MAX_RETRY.
+SPEC_RETRY, SPEC_MAX_RETRY = 4, 64
+RATE_SMOOTHING = 0.5
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
@@ -92,7 +90,8 @@ class CudaGraphRunner(ModelRunner):
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
         self.spec_lookahead_tokens = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
-        self.spec_pause, self.spec_next_pause = 0, SPEC_CHUNK_PAUSE
+        self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
+        self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
         self.spec_totals = np.zeros(3 + profile.spec_tokens, dtype=np.int64)  # steps, drafted, accepted, per position
         if self.use_graphs:
             self._init_static(max(self.buckets))
@@ -164,6 +163,7 @@ class CudaGraphRunner(ModelRunner):
         return bool(self.verify_len) and all(1 <= i.num_logits == i.num_tokens <= self.verify_len for i in batch)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        started, captures = time.perf_counter(), self.graph_captures
         steps = self._chunk_steps(batch)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
@@ -178,6 +178,7 @@ class CudaGraphRunner(ModelRunner):
         self.graph_replays += steps
         self.decode_steps_run += steps
         tokens = self._to_host(self.out_tokens, self.host_out)[:steps, : len(batch)].copy()
+        self._record_rate("decode", tokens.size, started, captures)
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
         return torch.from_numpy(tokens[0])
 
@@ -211,16 +212,13 @@ class CudaGraphRunner(ModelRunner):
         steps = self.max_decode_steps
         for item in batch:
             seq = item.seq
-            owned = len(seq.block_table)
-            if self.verify_len:  # blocks grown for drafts may be given back: write only where len(seq) keeps
-                owned = min(owned, -(-len(seq) // self.block_size))
-            room = owned * self.block_size - seq.num_computed
+            owned = len(seq.block_table) * self.block_size
+            if self.verify_len:  # draft rollback keeps len(seq) + the look-ahead reserve (to a block), no more
+                kept = max(-(-len(seq) // self.block_size) * self.block_size, len(seq) + self.spec_lookahead_tokens)
+                owned = min(owned, kept)
+            room = owned - seq.num_computed
             wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt)
             steps = min(steps, room, wanted)
-            tracker = seq.spec_tracker
-            if (self.verify_len and seq.spec_enabled and tracker and not tracker.pause_left
-                    and tracker.rate >= DRAFTS_LANDING):
-                steps = min(steps, SPEC_DECODE_STEPS)
         return max(steps, 1)
 
     def _to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> np.ndarray:
@@ -377,13 +375,30 @@ class CudaGraphRunner(ModelRunner):
     def _spec_chunk_wanted(self, batch: list[ScheduledSeq]) -> bool:
         if not self.spec_rows or len(batch) > self.spec_rows:
             return False
-        if self.spec_pause:
-            self.spec_pause -= 1
+        if not all(i.seq.spec_enabled and not (i.seq.spec_tracker and i.seq.spec_tracker.pause_left)
+                   for i in batch):
             return False
-        return all(i.seq.spec_enabled and not (i.seq.spec_tracker and i.seq.spec_tracker.pause_left) for i in batch)
+        spec, decode = self.chunk_rates["spec"], self.chunk_rates["decode"]
+        if not spec or not decode:
+            return not spec  # measure both kinds first
+        winning = spec >= decode
+        if winning != self.spec_winning:
+            self.spec_winning, self.retry_next = winning, SPEC_RETRY
+        if self.retry_wait:
+            self.retry_wait -= 1
+            return winning
+        self.retry_wait, self.retry_next = self.retry_next, min(2 * self.retry_next, SPEC_MAX_RETRY)
+        return not winning  # the losing kind, once: the text or the batch may have changed
+
+    def _record_rate(self, kind: str, tokens: int, started: float, captures: int) -> None:
+        if self.graph_captures != captures or not tokens:  # a capture's compile time says nothing of the kind
+            return
+        rate, old = tokens / (time.perf_counter() - started), self.chunk_rates[kind]
+        self.chunk_rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
+        started, captures = time.perf_counter(), self.graph_captures
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         key = (bucket, greedy, "spec")
@@ -400,20 +415,11 @@ class CudaGraphRunner(ModelRunner):
         self.host_spec_stats[:bucket].copy_(self.dev_spec_stats[:bucket], non_blocking=True)
         hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end])
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
-        self._record_yield(stats)
+        self.spec_totals += stats
         tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
+        self._record_rate("spec", sum(len(t) for t in tokens), started, captures)
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
         return self._from_lookahead(batch)
-
-    def _record_yield(self, stats: np.ndarray) -> None:
-        """Device counters of one chunk; a chunk that yields too little pauses chunks for a while."""
-        self.spec_totals += stats
-        steps, accepted = int(stats[0]), int(stats[2])
-        if steps and (steps + accepted) / steps < SPEC_CHUNK_MIN_YIELD:
-            self.spec_pause = self.spec_next_pause
-            self.spec_next_pause = min(2 * self.spec_next_pause, SPEC_CHUNK_MAX_PAUSE)
-        elif steps:
-            self.spec_next_pause = SPEC_CHUNK_PAUSE
 
     def _fill_spec(self, batch: list[ScheduledSeq], bucket: int) -> list[int]:
         """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
