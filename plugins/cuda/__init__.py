@@ -39,7 +39,7 @@ class CudaBackend(Backend):
         "cuda_graphs": True,  # decode steps replay captured graphs, several per host round trip (runner.py)
         "chunked_prefill": True,
         "prefix_caching": True,
-        "spec_decode": True,  # n-gram verify steps replay a captured K + 1 graph (runner.py); MTP runs eagerly
+        "spec_decode": True,  # n-gram: verify steps chained on the device, row-invariant graphs (runner.py); MTP eager
         "fp8_kv_cache": True,  # e5m2 (widened by a byte shift) or e4m3, inside the attention kernel
         "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
         # fp8-e4m3 weights, per-channel scales: 16-bit activations in the batch-1 GEMV, per-token fp8 activations
