@@ -134,6 +134,25 @@ def test_lookahead_chunks_stay_within_the_blocks_rollback_keeps(tiny_random):
     assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 3  # without one, only the block holding len(seq)
 
 
+def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    batch = [ScheduledSeq(Sequence(list(range(6)), SamplingParams()), 1, 1)]
+    assert runner._spec_chunk_wanted(batch)  # nothing measured: a spec chunk first
+    runner.chunk_rates["spec"] = 300.0
+    assert not runner._spec_chunk_wanted(batch)  # then plain decoding
+    runner.chunk_rates["decode"] = 200.0
+    choices = [runner._spec_chunk_wanted(batch) for _ in range(40)]
+    losers = [i for i, spec in enumerate(choices) if not spec]
+    assert losers == [0, 9, 26]  # decode retried after 8, then 16 round trips
+    runner.chunk_rates["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
+    choices = [runner._spec_chunk_wanted(batch) for _ in range(12)]
+    assert choices.count(True) <= 1 and not choices[-1]
+    batch[0].seq.spec_enabled = False
+    assert not runner._spec_chunk_wanted(batch)
+
+
 def test_drafts_are_verified_against_the_lookahead(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)

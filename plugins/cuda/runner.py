@@ -39,11 +39,12 @@ from .kernels import GEMV_MAX_ROWS
 MAX_DECODE_STEPS = 16
 # Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
 SPEC_CHUNK_STEPS = 8
-# Spec chunks run only while they produce tokens faster than plain decode chunks, both measured here (wall time
-# of the round trip, graph captures excluded): what a verify step costs against a decode step depends on the model,
-# the batch and the GPU, and what it yields on the text. The losing kind is retried after SPEC_RETRY round trips,
-# then twice as many, up to SPEC_MAX_RETRY.
-SPEC_RETRY, SPEC_MAX_RETRY = 4, 64
+# Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here: tokens the
+# engine took from a round trip's look-ahead over the wall time until the next round trip (the host's share
+# included; rounds with a graph capture excluded). What a verify step costs against a decode step depends on the
+# model, the batch and the GPU, and what it yields on the text. The losing kind is retried after SPEC_RETRY round
+# trips, then twice as many, up to SPEC_MAX_RETRY.
+SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
 RATE_SMOOTHING = 0.5
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
@@ -91,6 +92,7 @@ class CudaGraphRunner(ModelRunner):
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
         self.spec_lookahead_tokens = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
+        self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
         self.spec_totals = np.zeros(3 + profile.spec_tokens, dtype=np.int64)  # steps, drafted, accepted, per position
         if self.use_graphs:
@@ -144,6 +146,7 @@ class CudaGraphRunner(ModelRunner):
             cached = self._from_lookahead(batch)
             if cached is not None:
                 return None, cached
+            self._close_round()
             decode_shaped = all(i.num_tokens == 1 and i.num_logits == 1 for i in batch)
             verifiable = self._verifiable(batch)
             if (decode_shaped or verifiable) and self._spec_chunk_wanted(batch):
@@ -155,6 +158,7 @@ class CudaGraphRunner(ModelRunner):
             if verifiable:
                 self._ahead = None
                 return None, self._verify(batch)
+        self._close_round()
         self._ahead = None
         return super().run(batch)
 
@@ -163,7 +167,7 @@ class CudaGraphRunner(ModelRunner):
         return bool(self.verify_len) and all(1 <= i.num_logits == i.num_tokens <= self.verify_len for i in batch)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        started, captures = time.perf_counter(), self.graph_captures
+        self._round = ("decode", time.perf_counter(), self.graph_captures)
         steps = self._chunk_steps(batch)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
@@ -178,7 +182,6 @@ class CudaGraphRunner(ModelRunner):
         self.graph_replays += steps
         self.decode_steps_run += steps
         tokens = self._to_host(self.out_tokens, self.host_out)[:steps, : len(batch)].copy()
-        self._record_rate("decode", tokens.size, started, captures)
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
         return torch.from_numpy(tokens[0])
 
@@ -390,15 +393,23 @@ class CudaGraphRunner(ModelRunner):
         self.retry_wait, self.retry_next = self.retry_next, min(2 * self.retry_next, SPEC_MAX_RETRY)
         return not winning  # the losing kind, once: the text or the batch may have changed
 
-    def _record_rate(self, kind: str, tokens: int, started: float, captures: int) -> None:
-        if self.graph_captures != captures or not tokens:  # a capture's compile time says nothing of the kind
+    def _close_round(self) -> None:
+        """The last look-ahead is spent: its kind's rate is the tokens the engine took from it over the time since
+        it began."""
+        ahead, round_ = self._ahead, self._round
+        self._round = None
+        if ahead is None or round_ is None or self.graph_captures != round_[2]:  # compile time says nothing
             return
-        rate, old = tokens / (time.perf_counter() - started), self.chunk_rates[kind]
-        self.chunk_rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
+        taken = sum(min(max(seq.num_computed - start, 0), len(column))
+                    for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens))
+        if taken:
+            kind, old = round_[0], self.chunk_rates[round_[0]]
+            rate = taken / (time.perf_counter() - round_[1])
+            self.chunk_rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
-        started, captures = time.perf_counter(), self.graph_captures
+        self._round = ("spec", time.perf_counter(), self.graph_captures)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         key = (bucket, greedy, "spec")
@@ -417,7 +428,6 @@ class CudaGraphRunner(ModelRunner):
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
         self.spec_totals += stats
         tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
-        self._record_rate("spec", sum(len(t) for t in tokens), started, captures)
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
         return self._from_lookahead(batch)
 
