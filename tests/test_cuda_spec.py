@@ -48,32 +48,6 @@ def _verify_batch(seqs, drafts):
     return [ScheduledSeq(s, 1 + len(d), 1 + len(d)) for s, d in zip(seqs, drafts)]
 
 
-def test_padded_verify_rows_match_the_eager_verify(tiny_random):
-    """Full, short and no drafts in one bucket of 4 (one idle sequence): the rows the engine gets are the eager ones."""
-    prompts = (list(range(5, 25)), list(range(30, 37)), list(range(40, 43)))
-    drafts = ([11, 12, 13], [21], [])
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
-    assert runner.use_graphs and runner.verify_len == 4
-    batch = _verify_batch(_prefilled(runner, prompts), drafts)
-    assert runner._verifiable(batch)
-    runner._fill_verify(batch, 4)
-    runner._verify_body(4, greedy=True)
-    ours = runner._verify_rows(batch, runner.verify_tokens.cpu().numpy())
-
-    ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
-                             DEV, torch.float32)
-    ref = ModelRunner(ref_model, 32, 4, torch.float32)
-    ref_batch = _verify_batch(_prefilled(ref, prompts), drafts)
-    logits, sampled = ref.run(ref_batch)
-    assert ours.tolist() == sampled.cpu().tolist()
-    assert len(ours) == 4 + 2 + 1
-    # The pad rows wrote no KV: the slots after each sequence's real tokens are as the eager run left them.
-    slots = runner.host_verify_ints.numpy()[2, :16].reshape(4, 4)
-    assert (slots[1, :2] == -1).all() and (slots[2, :3] == -1).all() and (slots[3] == -1).all()
-
-
 def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     """Device drafting + verify + accept, chained (the graph body run eagerly): the history it grows is the greedy
     continuation step-by-step decoding gives, several tokens a step on a repetitive prompt."""
@@ -108,19 +82,17 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     assert produced == expected
 
 
-def test_verify_only_for_full_decode_shaped_batches(tiny_random):
+def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
-    seq = Sequence(list(range(10)), SamplingParams())
-    assert runner._verifiable([ScheduledSeq(seq, 4, 4)])
-    assert not runner._verifiable([ScheduledSeq(seq, 5, 5)])  # more than K + 1 rows
-    assert not runner._verifiable([ScheduledSeq(seq, 4, 0)])  # a prefill chunk
+    assert runner.drafts_itself and runner.spec_stats()["drafts"] == 0
     mtp = CudaGraphRunner.for_profile(NGRAM.overridden(spec="mtp"))(model, 32, 4, torch.float32)
-    assert not mtp.use_graphs  # MTP drafts from hidden states: eager
+    assert not mtp.use_graphs and not mtp.drafts_itself  # MTP drafts from hidden states: eager, engine drafts
+    assert mtp.spec_stats() is None
 
 
-def test_lookahead_chunks_stay_within_the_blocks_rollback_keeps(tiny_random):
+def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
@@ -129,9 +101,9 @@ def test_lookahead_chunks_stay_within_the_blocks_rollback_keeps(tiny_random):
     seq.block_table, seq.num_computed = list(range(2)), 5
     assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 11  # to the end of the owned blocks
     seq.block_table = list(range(8))
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == MAX_DECODE_STEPS  # the reserve is kept
-    runner.spec_lookahead_tokens = 0
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 3  # without one, only the block holding len(seq)
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == MAX_DECODE_STEPS
+    seq.params.max_tokens = 4
+    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 4  # no more tokens than the request wants
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
@@ -153,25 +125,25 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_le
     assert not runner._spec_chunk_wanted(batch)
 
 
-def test_drafts_are_verified_against_the_lookahead(tiny_random):
+def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
-    seq.num_computed = 5  # the chunk started at position 5 and sampled positions 6..11
-    runner._ahead = _Lookahead([seq], [5], [np.array([50, 51, 52, 53, 54, 55])])
-    seq.token_ids += [50]  # one step consumed
-    seq.num_computed = 6
-    seq.draft_ids = [51, 52, 99]
-    assert runner.run([ScheduledSeq(seq, 4, 4)])[1].tolist() == [51, 52, 53, 53]  # two drafts land, third does not
-    seq.token_ids += [51, 52, 53]
+    seq.num_computed = 5  # the chunk started at position 5 and produced the tokens at positions 6..9
+    runner._ahead = _Lookahead([seq], [5], [np.array([50, 51, 52, 53])])
+    assert runner._from_lookahead([ScheduledSeq(seq, 1, 1)]).tolist() == [50]  # the chunk's own step
+    seq.token_ids += [50, 51]
+    seq.num_computed = 7
+    assert runner._from_lookahead([ScheduledSeq(seq, 1, 1)]).tolist() == [52]
+    seq.token_ids += [52, 53]
     seq.num_computed = 9
-    seq.draft_ids = [54, 55]
-    assert runner._from_lookahead([ScheduledSeq(seq, 3, 3)]) is None  # all land: the bonus lies beyond
-    seq.draft_ids = [54]
-    assert runner._from_lookahead([ScheduledSeq(seq, 2, 2)]).tolist() == [54, 55]
-    seq.token_ids[-1] = 7  # not the look-ahead's path any more
-    assert runner._from_lookahead([ScheduledSeq(seq, 2, 2)]) is None
+    assert runner._from_lookahead([ScheduledSeq(seq, 1, 1)]) is None  # spent
+    seq.token_ids[-2] = 7  # position 8 holds another token than the look-ahead sampled there
+    seq.num_computed = 8
+    assert runner._from_lookahead([ScheduledSeq(seq, 1, 1)]) is None  # not the look-ahead's path any more
+    seq.num_computed = 6
+    assert runner._from_lookahead([ScheduledSeq(seq, 2, 2)]) is None  # not a decode-shaped row
 
 
 @pytest.mark.gpu
@@ -194,8 +166,8 @@ def test_verify_graph_gives_the_plain_tokens(precision):
             outputs[spec, temperature, 1] = [s.output_ids for s in llm.engine.generate(prompts[:1], params)]
             outputs[spec, temperature, 3] = [s.output_ids for s in llm.engine.generate(prompts, params)]
         engines[spec] = llm.engine
-    device = engines["ngram"].spec_stats()["device"]  # spec chunks: verify steps chained on the device
-    assert device["verify_steps"] > 0 and device["accepted"] > 0 and engines["ngram"].spec_stats()["accepted"] > 0
+    stats = engines["ngram"].spec_stats()  # the runner's own: spec chunks, verify steps chained on the device
+    assert stats["drafts"] > 0 and stats["accepted"] > 0
     for key in [k for k in outputs if k[0] == "ngram"]:
         assert outputs[key] == outputs[("none",) + key[1:]], key
 
@@ -264,13 +236,13 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
 
 @pytest.mark.slow
 def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu):
-    """The whole CUDA speculative path through the engine (host drafts judged against device chunks, rollback,
-    block reserve, chunk limits at max_tokens) gives --spec none's tokens for a batch. Small: the interpreter
-    takes about a second a step."""
+    """The whole CUDA speculative path through the engine (device chunks, the engine's block reserve, look-ahead
+    consumption, chunk limits at max_tokens, the kind chooser) gives --spec none's tokens for a batch. Small: the
+    interpreter takes about a second a step."""
     motifs = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [(m * 5)[: 30 + 4 * i] for i, m in enumerate(motifs)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [s.output_ids for s in cuda_engine_on_cpu(spec="none").generate(prompts, params)]
     spec = cuda_engine_on_cpu(spec="ngram", spec_tokens=4)
     assert [s.output_ids for s in spec.generate(prompts, params)] == want
-    assert spec.spec_stats()["device"]["verify_steps"] > 0
+    assert spec.spec_stats()["drafts"] > 0 and spec.spec_stats()["accepted"] > 0

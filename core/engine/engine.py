@@ -53,7 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
         self.spec = None if profile.spec == "none" else SpecDecoder(
             profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
-            reserve=self.runner.spec_lookahead_tokens)
+            reserve=self.runner.spec_lookahead_tokens, runner_drafts=self.runner.drafts_itself)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
 
     def _kv_dtype(self) -> torch.dtype:
@@ -146,8 +146,8 @@ class LLMEngine:
                     if reason:
                         break
                 seq.num_computed += len(new) - 1  # accepted drafts; the last new token is computed next step
-            if drafts:  # roll back the blocks of rejected drafts, short of the runner's look-ahead reserve
-                self.blocks.truncate(seq, len(seq) + self.spec.reserve)
+            if drafts:
+                self.blocks.truncate(seq, len(seq))  # roll back the blocks of rejected drafts
             self.blocks.commit_full_blocks(seq)
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -156,9 +156,8 @@ class LLMEngine:
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
-        stats = (self.spec.stats if self.spec else SpecStats()).as_dict()
-        device = self.runner.spec_stats()
-        return stats | {"device": device} if device is not None else stats
+        runner = self.runner.spec_stats()  # a runner that drafts and verifies by itself counts its own
+        return runner if runner is not None else (self.spec.stats if self.spec else SpecStats()).as_dict()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]

@@ -23,8 +23,9 @@ class StepInputs:
 class ModelRunner:
     """Generic runner; a backend may subclass it to capture graphs or fuse the step."""
 
-    # KV slots past a sequence's end that the runner may fill on its own (speculative look-ahead on the device):
-    # the spec decoder keeps that many allocated beyond each drafting sequence.
+    # A runner may draft and verify by itself (CUDA: on the device); the engine then drafts nothing and only keeps
+    # spec_lookahead_tokens KV slots allocated past each speculating sequence's end, for the runner to fill.
+    drafts_itself = False
     spec_lookahead_tokens = 0
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
@@ -53,7 +54,7 @@ class ModelRunner:
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def spec_stats(self) -> dict | None:
-        """Counters of speculative verify steps the runner ran without the engine (None: it runs none)."""
+        """SpecStats.as_dict() of the verify steps a runner that drafts itself ran (None: the engine's count)."""
         return None
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:

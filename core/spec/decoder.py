@@ -60,9 +60,11 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
 
 class SpecDecoder:
     def __init__(self, profile: Profile, model: DecoderModel, weights: dict, blocks: BlockManager,
-                 kv_dtype: torch.dtype, max_model_len: int, reserve: int = 0):
+                 kv_dtype: torch.dtype, max_model_len: int, reserve: int = 0, runner_drafts: bool = False):
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
-        self.reserve = reserve  # slots kept past a drafting sequence's end for the runner's own look-ahead
+        # A runner that drafts by itself (CUDA spec chunks) gets no drafts, only `reserve` KV slots kept allocated
+        # past each speculating sequence's end, which it fills ahead on its own.
+        self.reserve, self.runner_drafts = reserve, runner_drafts
         self.drafter: Drafter = (
             MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
             if profile.spec == "mtp" else NgramDrafter()
@@ -90,6 +92,9 @@ class SpecDecoder:
         requests, row = [], 0
         if len(batch) > self.profile.spec_max_batch:
             return
+        if self.runner_drafts:
+            self._keep_reserve(batch)
+            return
         for item, start in zip(batch, starts):
             seq, first_row = item.seq, row
             row += item.num_tokens
@@ -100,6 +105,14 @@ class SpecDecoder:
         if requests:
             self._propose(requests, hidden)
 
+    def _keep_reserve(self, batch: list[ScheduledSeq]) -> None:
+        for item in batch:
+            seq = item.seq
+            if seq.status is Status.RUNNING and seq.spec_enabled and seq.num_uncomputed == 1:
+                ahead = min(len(seq) + self.reserve, self.max_model_len)
+                if self.blocks.can_grow(seq, ahead):  # from free blocks only, as drafts: never preempts
+                    self.blocks.grow(seq, ahead)
+
     def _drafts_wanted(self, seq: Sequence) -> int:
         k = self.tracker(seq).drafts_wanted()
         # A verify step adds up to k + 1 tokens: stay within max_tokens and the context.
@@ -107,8 +120,7 @@ class SpecDecoder:
         # The verify step's slots come from free blocks, taken now: drafts never preempt anyone to make room.
         if k <= 0 or not self.blocks.can_grow(seq, len(seq) + k):
             return 0
-        ahead = min(len(seq) + max(k, self.reserve), self.max_model_len)
-        self.blocks.grow(seq, ahead if self.blocks.can_grow(seq, ahead) else len(seq) + k)
+        self.blocks.grow(seq, len(seq) + k)
         return k
 
     def _propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> None:
@@ -117,5 +129,4 @@ class SpecDecoder:
                 drafts += [drafts[-1]] * (r.k - len(drafts))  # padding keeps the shape; it is verified like any draft
             if r.k:
                 r.seq.draft_ids = drafts
-                # Give back slots a short draft left unused (the reserve stays for the runner's look-ahead).
-                self.blocks.truncate(r.seq, len(r.seq) + max(len(drafts), self.reserve))
+                self.blocks.truncate(r.seq, len(r.seq) + len(drafts))  # give back slots a short draft left unused

@@ -8,15 +8,14 @@ already gave each sequence and by its remaining max_tokens; the engine is handed
 look-ahead. Sampling noise is keyed by (seed, position), so the look-ahead tokens are exactly the tokens that
 step-by-step decoding would draw.
 
-With n-gram speculative decoding, a verify step (each sequence: its last token + up to K drafts) replays a graph
-too: K + 1 query rows per sequence and bucket, a sequence's real tokens at the end of its rows, pad rows in front
-writing no KV (slot -1), each row attending as a decode row of its own, every row sampled on the device, one host
-sync per step. Drafting happens on the host between steps. Better still, a "spec chunk" chains up to
-SPEC_CHUNK_STEPS verify steps on the device in one round trip: each replay drafts from the sequence's own history
-(the prompt lookup of NgramDrafter), verifies, and appends the accepted drafts plus the target's next token to that
-history. What comes back is a look-ahead like decode's (the tokens plain decoding gives, only sooner), against
-which the engine's own drafts are then judged. MTP drafts from the step's hidden states, so it runs eagerly.
-Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
+With n-gram speculative decoding the runner drafts and verifies by itself, on the device (the engine drafts
+nothing): a "spec chunk" replays up to SPEC_CHUNK_STEPS verify steps in one round trip. Each drafts from the
+sequence's own history (the prompt lookup of NgramDrafter, in Triton), runs K + 1 query rows per sequence (each
+attending as a decode row of its own, so the numbers are decode's), samples every row, accepts the drafts up to the
+first that differs from the target's sample and appends the samples to the history. What comes back is a
+look-ahead like decode's: the tokens plain decoding gives, only sooner. Spec chunks or plain decode chunks,
+whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs eagerly. Prefill,
+mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
 import time
@@ -25,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashnext.core.engine.runner import ModelRunner, StepInputs, noise_seed
+from flashnext.core.engine.runner import ModelRunner, StepInputs
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
+from flashnext.core.spec.decoder import SpecStats
 
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
 
@@ -82,7 +82,6 @@ class CudaGraphRunner(ModelRunner):
         # Graphs hand no hidden states to the host: n-gram drafting needs none, MTP drafting does (stays eager).
         self.use_graphs = profile.cuda_graphs and profile.spec != "mtp"
         self.verify_len = 1 + profile.spec_tokens if profile.spec == "ngram" else 0  # query rows a sequence
-        self.verify_steps_run = 0
         self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
         self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
@@ -91,6 +90,7 @@ class CudaGraphRunner(ModelRunner):
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
         self.spec_lookahead_tokens = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
+        self.drafts_itself = bool(self.spec_rows)
         self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
@@ -114,19 +114,15 @@ class CudaGraphRunner(ModelRunner):
         self.out_tokens = torch.zeros(MAX_DECODE_STEPS, rows, dtype=torch.int64, device=dev)
         self.step_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)
-        if self.verify_len:
-            t = rows * self.verify_len
-            self.host_verify_ints = torch.zeros(len(_VERIFY_INT_FIELDS), t, dtype=torch.int64, **pinned)
-            self.host_verify_floats = torch.zeros(len(_FLOAT_FIELDS), t, dtype=torch.float32, **pinned)
-            self.host_context = torch.zeros(t, dtype=torch.int32, **pinned)  # per query row: it attends as decode
-            self.host_verify_out = torch.zeros(t, dtype=torch.int64, **pinned)
-            self.dev_verify_ints = self.host_verify_ints.to(dev)
-            self.dev_verify_floats = self.host_verify_floats.to(dev)
-            self.dev_context = self.host_context.to(dev)
-            self.verify_tokens = torch.zeros(t, dtype=torch.int64, device=dev)
-            self.verify_query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
         if self.spec_rows:
             r, width = self.spec_rows, self.table_width * self.block_size
+            t = r * self.verify_len  # verify rows: K + 1 a sequence
+            self.host_verify_ints = torch.zeros(len(_VERIFY_INT_FIELDS), t, dtype=torch.int64, **pinned)
+            self.host_verify_floats = torch.zeros(len(_FLOAT_FIELDS), t, dtype=torch.float32, **pinned)
+            self.dev_verify_ints = self.host_verify_ints.to(dev)
+            self.dev_verify_floats = self.host_verify_floats.to(dev)
+            self.dev_context = torch.zeros(t, dtype=torch.int32, device=dev)  # per row: it attends as decode
+            self.verify_query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
             self.host_hist = torch.zeros(r, width, dtype=torch.int64, **pinned)
             self.host_spec = torch.zeros(len(_SPEC_FIELDS), r, dtype=torch.int64, **pinned)
             self.host_spec_stats = torch.zeros(r, 3 + self.verify_len - 1, dtype=torch.int64, **pinned)
@@ -147,24 +143,15 @@ class CudaGraphRunner(ModelRunner):
             if cached is not None:
                 return None, cached
             self._close_round()
-            decode_shaped = all(i.num_tokens == 1 and i.num_logits == 1 for i in batch)
-            verifiable = self._verifiable(batch)
-            if (decode_shaped or verifiable) and self._spec_chunk_wanted(batch):
-                rows = self._spec_chunk(batch)
-                if rows is not None:
-                    return None, rows
-            if decode_shaped:
+            if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
+                if self._spec_chunk_wanted(batch):
+                    rows = self._spec_chunk(batch)
+                    if rows is not None:
+                        return None, rows
                 return None, self._decode(batch)
-            if verifiable:
-                self._ahead = None
-                return None, self._verify(batch)
         self._close_round()
         self._ahead = None
         return super().run(batch)
-
-    def _verifiable(self, batch: list[ScheduledSeq]) -> bool:
-        """Every sequence sends its last token + drafts and wants a token for each: the verify graph's shape."""
-        return bool(self.verify_len) and all(1 <= i.num_logits == i.num_tokens <= self.verify_len for i in batch)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         self._round = ("decode", time.perf_counter(), self.graph_captures)
@@ -186,10 +173,8 @@ class CudaGraphRunner(ModelRunner):
         return torch.from_numpy(tokens[0])
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
-        """The rows this batch asks for, read off the look-ahead when it holds them all: the batch that made it,
-        each sequence some steps further on, asking for its next token or verifying drafts. The look-ahead's tokens
-        are the target's own samples at those positions (KV written, noise keyed by position), so a draft is
-        accepted iff it equals one, exactly as a verify step would decide."""
+        """Each sequence's next token read off the look-ahead when it holds them all: the batch that made it, each
+        sequence some steps further on, its KV written up to the token it sends."""
         ahead = self._ahead
         if ahead is None or len(batch) != len(ahead.seqs):
             return None
@@ -197,17 +182,10 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             seq, column = item.seq, ahead.tokens[j]
             step = seq.num_computed - ahead.start_positions[j]  # the step that sampled the token after the last
-            if (seq is not ahead.seqs[j] or item.num_logits != item.num_tokens or not 0 <= step < len(column)
-                    or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
+            if (seq is not ahead.seqs[j] or item.num_tokens != 1 or item.num_logits != 1
+                    or not 0 <= step < len(column) or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
                 return None
-            drafts = seq.draft_ids[: item.num_tokens - 1]
-            n = 0
-            while n < len(drafts) and step + n < len(column) and drafts[n] == column[step + n]:
-                n += 1
-            if step + n >= len(column):  # the sample after the accepted drafts lies beyond the look-ahead
-                return None
-            # Rows past the first rejected draft are never read: repeat the sample there.
-            rows += column[step : step + n + 1].tolist() + [int(column[step + n])] * (len(drafts) - n)
+            rows.append(int(column[step]))
         return torch.tensor(rows, dtype=torch.int64)
 
     def _chunk_steps(self, batch: list[ScheduledSeq]) -> int:
@@ -215,11 +193,7 @@ class CudaGraphRunner(ModelRunner):
         steps = self.max_decode_steps
         for item in batch:
             seq = item.seq
-            owned = len(seq.block_table) * self.block_size
-            if self.verify_len:  # draft rollback keeps len(seq) + the look-ahead reserve (to a block), no more
-                kept = max(-(-len(seq) // self.block_size) * self.block_size, len(seq) + self.spec_lookahead_tokens)
-                owned = min(owned, kept)
-            room = owned - seq.num_computed
+            room = len(seq.block_table) * self.block_size - seq.num_computed
             wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt)
             steps = min(steps, room, wanted)
         return max(steps, 1)
@@ -307,72 +281,6 @@ class CudaGraphRunner(ModelRunner):
         seeds = positions if greedy else (request_seed * 1_000_003 + positions + 1) & _SEED_MASK  # unused if greedy
         tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
-
-    # --- speculative verify ----------------------------------------------------------------------------------
-    def _verify(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        bucket = next(b for b in self.buckets if b >= len(batch))
-        greedy = all(item.seq.params.temperature == 0 for item in batch)
-        key = (bucket, greedy, "verify")
-        self._fill_verify(batch, bucket)
-        graph = self.graphs.get(key) or self._capture(key, lambda: self._verify_body(bucket, greedy), self.verify_len)
-        graph.replay()
-        self.graph_replays += 1
-        self.verify_steps_run += 1
-        return self._verify_rows(batch, self._to_host(self.verify_tokens, self.host_verify_out))
-
-    def _verify_rows(self, batch: list[ScheduledSeq], tokens: np.ndarray) -> torch.Tensor:
-        """The sampled tokens the engine asked for: each sequence's last num_logits rows, in batch order."""
-        q = self.verify_len
-        rows = [tokens[j * q + q - item.num_logits : (j + 1) * q] for j, item in enumerate(batch)]
-        return torch.from_numpy(np.concatenate(rows).copy())
-
-    def _fill_verify(self, batch: list[ScheduledSeq], bucket: int) -> None:
-        q = self.verify_len
-        ints, floats = self.host_verify_ints.numpy(), self.host_verify_floats.numpy()
-        context, tables = self.host_context.numpy(), self.host_tables.numpy()
-        ints[:, : bucket * q] = 0
-        ints[2, : bucket * q] = -1  # pad rows and idle sequences write no KV
-        floats[0, : bucket * q], floats[1, : bucket * q] = 0.0, 1.0
-        context[: bucket * q] = 0  # idle sequences attend to nothing
-        for j, item in enumerate(batch):
-            seq, n, start = item.seq, item.num_tokens, item.seq.num_computed
-            rows, real = slice(j * q, (j + 1) * q), slice((j + 1) * q - n, (j + 1) * q)
-            # Pad rows take the positions just before the real ones: their outputs are never read.
-            positions = range(start + n - q, start + n)
-            ints[0, real] = seq.query_tokens(start, n)
-            ints[1, rows] = [max(p, 0) for p in positions]
-            ints[2, real] = [self._slot(seq, p) for p in range(start, start + n)]
-            ints[3, rows] = [noise_seed(seq.seed, p + 1) for p in positions]
-            ints[4, rows] = seq.params.top_k
-            floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
-            context[rows] = [max(p, 0) + 1 for p in positions]  # each row sees the keys up to its own
-            tables[j, : len(seq.block_table)] = seq.block_table
-        n = len(batch)
-        self.dev_verify_ints.copy_(self.host_verify_ints, non_blocking=True)
-        self.dev_verify_floats.copy_(self.host_verify_floats, non_blocking=True)
-        self.dev_context[: bucket * q].copy_(self.host_context[: bucket * q], non_blocking=True)
-        self.dev_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
-
-    def _verify_body(self, rows: int, greedy: bool) -> None:
-        """One verify step on the static buffers: rows x (K + 1) query tokens, every one of them sampled. Each
-        query row attends as a decode row of its own (its context ends at its position; K + 1 rows share a block
-        table row), so it runs the decode step's attention kernel with the decode step's splits."""
-        k, q = self.kernels, self.verify_len
-        t = rows * q
-        ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
-        temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start=self.verify_query_start[: t + 1],
-            context_lens=self.dev_context[:t],
-            block_tables=self.dev_tables[:rows],
-            max_query_len=1,
-            max_context_len=self.table_width * self.block_size,
-        )
-        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
-        logits = k.linear(hidden, self.model.lm_head)  # 16-bit, as in the decode graph
-        sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
-        self.verify_tokens[:t].copy_(sampled)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
     def _spec_chunk_wanted(self, batch: list[ScheduledSeq]) -> bool:
@@ -487,9 +395,9 @@ class CudaGraphRunner(ModelRunner):
         k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
 
     def spec_stats(self) -> dict | None:
-        if not self.spec_rows:
+        """The device verify steps' counters, in the engine's shape (a step whose history had no n-gram to copy
+        counts too: it is a verify step all the same)."""
+        if not self.drafts_itself:
             return None
         steps, drafted, accepted = (int(x) for x in self.spec_totals[:3])
-        return {"verify_steps": steps, "drafted": drafted, "accepted": accepted,
-                "accepted_per_position": self.spec_totals[3:].tolist(),
-                "tokens_per_step": round((steps + accepted) / steps, 4) if steps else 0.0}
+        return SpecStats(steps, drafted, accepted, self.spec_totals[3:].tolist()).as_dict()
