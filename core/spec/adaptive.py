@@ -15,7 +15,6 @@ class AcceptanceTracker:
     k: int  # drafts to ask for next
     k_max: int
     adaptive: bool = True
-    adapt_k: bool = True  # off where the verify shape must stay fixed (CUDA graphs)
     rate: float = 0.4  # rolling acceptance: two bad verify steps in a row pause a fresh request
     pause_left: int = 0
     next_pause: int = FIRST_PAUSE
@@ -31,11 +30,10 @@ class AcceptanceTracker:
         if not self.adaptive:
             return
         self.rate += SMOOTHING * (accepted / drafted - self.rate)
-        if self.adapt_k:
-            if accepted == drafted:
-                self.k = min(self.k + 1, self.k_max)
-            elif 2 * accepted < drafted:
-                self.k = max(self.k - 1, 1)
+        if accepted == drafted:
+            self.k = min(self.k + 1, self.k_max)
+        elif 2 * accepted < drafted:
+            self.k = max(self.k - 1, 1)
         if self.rate >= PAUSE_BELOW:
             self.next_pause = FIRST_PAUSE
             return

@@ -74,9 +74,7 @@ class SpecDecoder:
     def tracker(self, seq: Sequence) -> AcceptanceTracker:
         if seq.spec_tracker is None:
             p = self.profile
-            # CUDA graphs capture a fixed 1 + K verify shape, so K stays put there (drafting may still pause).
-            seq.spec_tracker = AcceptanceTracker(k=p.spec_tokens, k_max=p.spec_tokens, adaptive=p.spec_adaptive,
-                                                 adapt_k=not p.cuda_graphs)
+            seq.spec_tracker = AcceptanceTracker(k=p.spec_tokens, k_max=p.spec_tokens, adaptive=p.spec_adaptive)
         return seq.spec_tracker
 
     def accept(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> list[int]:
@@ -125,8 +123,6 @@ class SpecDecoder:
 
     def _propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> None:
         for r, drafts in zip(requests, self.drafter.propose(requests, hidden)):
-            if drafts and self.profile.cuda_graphs:
-                drafts += [drafts[-1]] * (r.k - len(drafts))  # padding keeps the shape; it is verified like any draft
             if r.k:
                 r.seq.draft_ids = drafts
                 self.blocks.truncate(r.seq, len(r.seq) + len(drafts))  # give back slots a short draft left unused
