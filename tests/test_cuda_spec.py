@@ -121,8 +121,11 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_le
     runner.chunk_rates["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
     choices = [runner._spec_chunk_wanted(batch) for _ in range(12)]
     assert choices.count(True) <= 1 and not choices[-1]
+    fixed = CudaGraphRunner.for_profile(NGRAM.overridden(spec_adaptive=False))(model, 32, 4, torch.float32)
+    fixed.chunk_rates.update(spec=100.0, decode=200.0)
+    assert all(fixed._spec_chunk_wanted(batch) for _ in range(20))  # not adaptive: always speculate
     batch[0].seq.spec_enabled = False
-    assert not runner._spec_chunk_wanted(batch)
+    assert not runner._spec_chunk_wanted(batch) and not fixed._spec_chunk_wanted(batch)
 
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):

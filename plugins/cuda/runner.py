@@ -286,9 +286,10 @@ class CudaGraphRunner(ModelRunner):
     def _spec_chunk_wanted(self, batch: list[ScheduledSeq]) -> bool:
         if not self.spec_rows or len(batch) > self.spec_rows:
             return False
-        if not all(i.seq.spec_enabled and not (i.seq.spec_tracker and i.seq.spec_tracker.pause_left)
-                   for i in batch):
+        if not all(i.seq.spec_enabled for i in batch):
             return False
+        if not self.profile.spec_adaptive:  # speculation never pauses
+            return True
         spec, decode = self.chunk_rates["spec"], self.chunk_rates["decode"]
         if not spec or not decode:
             return not spec  # measure both kinds first
