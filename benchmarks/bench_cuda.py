@@ -261,16 +261,14 @@ def decode_step_profile(llm, bucket: int) -> dict:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / 16)
     step_us = sorted(times)[1]
-    # Launch count and per-kernel time: the same step run eagerly under the profiler.
+    # Launch count and per-kernel time: the same step run eagerly under the profiler, with the graph's settings.
     runner._fill_inputs(seqs, bucket)
     runner.step_index.zero_()
-    runner.kernels.decode_splits = runner._splits(bucket)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with runner.graph_settings(bucket, 1), profile(activities=[ProfilerActivity.CUDA]) as prof:
         runner._decode_body(bucket, True)
         torch.cuda.synchronize()
-    runner.kernels.decode_splits = 1
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name: dict = {}
     for e in events:

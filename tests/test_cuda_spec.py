@@ -194,14 +194,8 @@ class _EagerGraph:
         self.runner, self.key, self.body, self.query_rows = runner, key, body, query_rows
 
     def replay(self):
-        runner, kernels = self.runner, self.runner.kernels
-        kernels.decode_splits = runner._splits(self.key[0])
-        if runner._row_invariant(self.key[0]):
-            kernels.gemv_max_rows, kernels.gemv_wide = max(kernels.gemv_max_rows, self.key[0] * self.query_rows), True
-        try:
+        with self.runner.graph_settings(self.key[0], self.query_rows):
             self.body()
-        finally:
-            kernels.decode_splits, kernels.gemv_max_rows, kernels.gemv_wide = 1, 4, False
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ mixed batches and batches larger than the largest bucket run eagerly on the same
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,13 +236,21 @@ class CudaGraphRunner(ModelRunner):
         decoding. Up to spec_max_batch sequences, where speculation runs at all."""
         return bucket <= self.profile.spec_max_batch
 
-    def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
-        bucket = key[0]
-        self.kernels.decode_splits = self._splits(bucket)
+    @contextmanager
+    def graph_settings(self, bucket: int, query_rows: int):
+        """The kernel settings a graph of this bucket is captured with (split count, row-invariant GEMV), restored
+        to the eager defaults afterwards."""
+        kernels = self.kernels
+        kernels.decode_splits = self._splits(bucket)
         if self._row_invariant(bucket):
-            self.kernels.gemv_max_rows = max(GEMV_MAX_ROWS, bucket * query_rows)
-            self.kernels.gemv_wide = True
+            kernels.gemv_max_rows, kernels.gemv_wide = max(GEMV_MAX_ROWS, bucket * query_rows), True
         try:
+            yield
+        finally:
+            kernels.decode_splits, kernels.gemv_max_rows, kernels.gemv_wide = 1, GEMV_MAX_ROWS, False
+
+    def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
+        with self.graph_settings(key[0], query_rows):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
             stream = torch.cuda.Stream()
@@ -252,9 +261,6 @@ class CudaGraphRunner(ModelRunner):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 body()
-        finally:
-            self.kernels.decode_splits = 1
-            self.kernels.gemv_max_rows, self.kernels.gemv_wide = GEMV_MAX_ROWS, False
         self.graphs[key] = graph
         self.graph_captures += 1
         return graph
