@@ -21,11 +21,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashnext.core import registry
-from flashnext.core.cli_bench import SHAPES, machine_name, random_model
+from flashnext.core.cli_bench import SHAPES, load_bench_model, machine_name
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
-from flashnext.core.loader import load_model
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -120,11 +118,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.shape:
-        device = registry.select(registry.discover(), args.backend).backend.device()
-        loaded = random_model(args.shape, device, seed=args.seed)
-    else:
-        loaded = load_model(args.model)
+    loaded = load_bench_model(args.model, args.shape, args.backend, seed=args.seed)
     overrides = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile, **overrides)
     vocab = llm.engine.config.vocab_size

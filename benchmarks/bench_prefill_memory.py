@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashnext.core import registry
-from flashnext.core.cli_bench import SHAPES, random_model
+from flashnext.core.cli_bench import SHAPES, load_bench_model
 
 MIB = 1 << 20
 # glibc serves allocations of 1 MiB and up with their own mappings, unmapped on free. Left to itself it raises that
@@ -89,15 +88,11 @@ def measure(args) -> dict:
     from flashnext.core.engine.engine import GIB
     from flashnext.core.engine.sequence import SamplingParams
     from flashnext.core.llm import LLM
-    from flashnext.core.loader import load_model
 
     chunked = args.child == "chunked"
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.shape:
-        loaded = random_model(args.shape, registry.select(registry.discover(), args.backend).backend.device())
-    else:
-        loaded = load_model(args.model)
+    loaded = load_bench_model(args.model, args.shape, args.backend)
     cfg = loaded.config
     # A KV cache just big enough for the prompt (fp32-sized), so the cache stays small next to activations.
     kv_bytes = (args.prompt_len + 64) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4

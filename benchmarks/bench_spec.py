@@ -23,11 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashnext.core import registry
-from flashnext.core.cli_bench import SHAPES, machine_name, random_model
+from flashnext.core.cli_bench import SHAPES, load_bench_model, machine_name
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
-from flashnext.core.loader import load_model
 
 PASSAGE = (
     "The harbour town woke slowly. Fishermen pulled their boats up the shingle, the baker opened his shutters, and "
@@ -142,11 +140,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.shape:
-        device = registry.select(registry.discover(), args.backend).backend.device()
-        loaded = random_model(args.shape, device)
-    else:
-        loaded = load_model(args.model)
+    loaded = load_bench_model(args.model, args.shape, args.backend)
     methods = args.methods.split(",")
     first = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile)
     prompts = prompt_sets(first, random_weights=bool(args.shape))

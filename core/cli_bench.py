@@ -80,6 +80,18 @@ class Timing:
     wall_s: float
 
 
+def load_bench_model(model: str | None, shape: str | None, backend: str, seed: int = 0) -> LoadedModel:
+    """Random weights of `shape` on the backend's device, else the checkpoint `model` (None: the embedded one)."""
+    from . import registry
+    from .loader import load_model
+
+    if model and shape:
+        raise UserError("give --model or --shape, not both")
+    if shape:
+        return random_model(shape, registry.select(registry.discover(), backend).backend.device(), seed)
+    return load_model(model)
+
+
 def time_generation(llm: LLM, batch_size: int, prompt_len: int, gen_len: int, seed: int = 0) -> Timing:
     """All requests arrive at once; TTFT is the mean over requests, decode counts tokens after each first one."""
     engine = llm.engine
@@ -184,17 +196,8 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    from . import registry
-    from .loader import load_model
-
     sizes = _batch_sizes(batch_sizes)
-    if model and shape:
-        raise UserError("give --model or --shape, not both")
-    if shape:
-        device = registry.select(registry.discover(), backend).backend.device()
-        loaded = random_model(shape, device)
-    else:
-        loaded = load_model(model)
+    loaded = load_bench_model(model, shape, backend)
     rows = bench_rows(loaded, backend, precision, profile, sizes, prompt_len, gen_len)
     table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "peak MiB")
     for r in rows:
