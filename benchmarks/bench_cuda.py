@@ -246,9 +246,9 @@ def decode_step_profile(llm, bucket: int) -> dict:
         seq.num_computed = 300
         seq.block_table = list(range(j * 24, j * 24 + 24))  # 384 slots each
         seqs.append(ScheduledSeq(seq, 1, 1))
-    greedy_key = (bucket, True, 1)
+    greedy_key = (bucket, True, "decode")
     runner._fill_inputs(seqs, bucket)
-    graph = runner.graphs.get(greedy_key) or runner._capture(greedy_key, lambda: runner._decode_body(bucket, True))
+    graph = runner.graphs.get(greedy_key) or runner._capture(greedy_key, lambda: runner._decode_body(bucket, True), 1)
     times = []
     for _ in range(4):
         runner._fill_inputs(seqs, bucket)

@@ -99,9 +99,10 @@ def test_int4_dequantize_kernel_matches_int4weight(group_size):
     assert torch.allclose(CUDA.int4_dequantize(w, torch.float32), w.dequantize(torch.float32), rtol=1e-6, atol=1e-6)
 
 
-def test_int4_fused_norm_gemv_with_silu():
-    x, res, w_norm = rand(1, 256), rand(1, 256), rand(256)
-    w = int4_quantize(torch.randn(2 * 24, 256), group_size=32).to(DEV)
+@pytest.mark.parametrize("k,group_size", [(256, 32), (576, 32), (384, 128)])  # 576: SmolLM2, groups padded
+def test_int4_fused_norm_gemv_with_silu(k, group_size):
+    x, res, w_norm = rand(1, k), rand(1, k), rand(k)
+    w = int4_quantize(torch.randn(2 * 24, k), group_size=group_size).to(DEV)
     out, _ = CUDA.norm_linear(x, res, w_norm, 1e-6, w, silu=True)
     ref = REF.silu_and_mul(REF.linear(REF.add_rmsnorm(x, res, w_norm, 1e-6)[0], w))
     assert nmse(out, ref) < 1e-3
@@ -170,6 +171,44 @@ def test_verify_rows_attend_as_decode_rows(splits):
     assert torch.equal(kernels.attention(q[6:7], kc, vc, one, 0.2)[0], rows[6])
 
 
+def _rope_table(dim, positions):
+    angles = torch.outer(torch.arange(float(positions)), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
+    return torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group):
+    """rope_attention of a split decode step (q/k norm, rope and the KV write inside the attention kernel) gives
+    the bits of qkv_rope_store followed by attention, cache included. group 3: verify rows (3 consecutive rows of
+    a sequence share its table row, each attending up to its own position, the later ones to the new keys of the
+    earlier ones)."""
+    heads, kv_heads, dim, block_size = 4, 2, 32, 4
+    # 33: the new keys straddle two splits (slices of 32); 170: they sit past the first key tile of their slice
+    contexts = [5, 33, 170]
+    _, kc, vc, meta = _paged_setup([1, 1, 1], contexts, heads, kv_heads, dim, block_size)
+    positions = torch.tensor([c - group + i for c in contexts for i in range(group)], device=DEV)
+    tables = meta.block_tables.tolist()
+    slots = torch.tensor([tables[j // group][p // block_size] * block_size + p % block_size
+                          for j, p in enumerate(positions.tolist())], device=DEV)
+    slots[1 if group > 1 else 0] = -1  # a padded row writes nothing
+    rows_meta = AttentionMetadata(
+        slot_mapping=slots, query_start=torch.arange(len(slots) + 1, dtype=torch.int32, device=DEV),
+        context_lens=(positions + 1).to(torch.int32), block_tables=meta.block_tables, max_query_len=1,
+        max_context_len=max(contexts))
+    qkv = rand(len(slots), (heads + 2 * kv_heads) * dim)
+    q_norm, k_norm, cos_sin = rand(dim), rand(dim), _rope_table(dim, max(contexts))
+    kernels = CudaKernels(decode_splits=4)
+    caches = [c.clone() for c in (kc, vc, kc, vc)]
+    fused = kernels.rope_attention(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta,
+                                   0.2, heads, kv_heads, dim)
+    q = kernels.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
+                               kv_heads, dim)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not torch.equal(caches[0], kc)  # the new keys did land
+    unfused = kernels.attention(q, caches[2], caches[3], rows_meta, 0.2)
+    assert torch.equal(fused, unfused) and not fused.isnan().any()
+
+
 def test_attention_reads_fp8_e5m2_cache():
     q, kc, vc, meta = _paged_setup([2, 1], [6, 9], kv_dtype=torch.float8_e5m2)
     ref = REF.attention(q, kc, vc, meta, 0.2)
@@ -191,8 +230,7 @@ def test_qkv_rope_store_matches_reference_ops(qk_norm, kv_dtype):
     q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
     positions = torch.tensor([0, 5, 9], device=DEV)
     slots = torch.tensor([3, -1, 6], device=DEV)  # -1: a padded row writes nothing
-    angles = torch.outer(torch.arange(16.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
-    cos_sin = torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
+    cos_sin = _rope_table(dim, 16)
     shape = (2, 4, kv_heads, dim)
     caches = [torch.zeros(shape, device=DEV).to(kv_dtype) for _ in range(4)]
     q = CUDA.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], slots,

@@ -200,9 +200,18 @@ class _EagerGraph:
 
 @pytest.fixture
 def cuda_engine_on_cpu(monkeypatch, tiny_random):
-    """LLMEngines running the whole CUDA runner (decode look-ahead, verify, spec chunks) on the CPU, graphs eager."""
+    """LLMEngines running the whole CUDA runner (decode look-ahead, verify, spec chunks) on the CPU, graphs eager;
+    on a GPU machine, the real thing."""
     from flashnext.core.engine.engine import LLMEngine
     from flashnext.plugins.cuda import CudaBackend
+
+    def make(**settings):
+        backend = CudaBackend() if torch.cuda.is_available() else CpuCuda()
+        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
+        return LLMEngine(backend, tiny_random, "fp32", profile)
+
+    if torch.cuda.is_available():
+        return make
 
     def capture(self, key, body, query_rows):
         self.graphs[key] = _EagerGraph(self, key, body, query_rows)
@@ -222,11 +231,6 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
         def peak_memory_bytes(self, run):
             run()
             return 0
-
-    def make(**settings):
-        backend = CpuCuda()
-        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
-        return LLMEngine(backend, tiny_random, "fp32", profile)
 
     return make
 

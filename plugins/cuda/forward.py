@@ -1,8 +1,9 @@
-"""The decoder forward pass on the fused CUDA kernels: seven launches a layer in the batch-1 decode case.
+"""The decoder forward pass on the fused CUDA kernels: six launches a layer in a small-batch decode step.
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
-prologue of the projection after it, q/k norm + rope + the KV-cache write are one pass, and SiLU-and-mul rides in
-the gate/up epilogue (qkv GEMV, rope+KV, split-KV attention + its reduction, o GEMV, gate/up GEMV, down GEMV).
+prologue of the projection after it, q/k norm + rope + the KV-cache write ride in the attention kernel (or are one
+pass before it), and SiLU-and-mul rides in the gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV
+write + its reduction, o GEMV, gate/up GEMV, down GEMV).
 Larger batches fall back, op by op, to the unfused Triton kernels and cuBLAS.
 """
 
@@ -24,9 +25,8 @@ def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, 
         qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        q = kernels.qkv_rope_store(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache, v_cache,
-                                   meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        attn = kernels.attention(q, k_cache, v_cache, meta, model.scale)
+        attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
+                                      v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         out = kernels.linear(attn.flatten(1), layer.o)
         act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True)
         hidden = kernels.linear(act, layer.down)
