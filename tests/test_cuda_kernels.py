@@ -324,3 +324,4 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows):
     wide = rand(300, k, scale=0.1)  # the vocabulary projection: no norm, plain rows
     kernels.gemv_wide = True
     assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], kernels.linear(x, wide)[i]) for i in range(rows))
+

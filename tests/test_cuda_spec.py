@@ -56,7 +56,7 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
-    assert runner.spec_rows == 4 and runner.spec_lookahead_tokens == SPEC_CHUNK_STEPS * 4
+    assert runner.spec_rows == 4 and runner.lookahead_tokens == max(2 * MAX_DECODE_STEPS, SPEC_CHUNK_STEPS * 4)
     [seq] = _prefilled(runner, [prompt])
     seq.params = SamplingParams(max_tokens=20, ignore_eos=True)
     seq.block_table = list(range(16))  # room for the whole look-ahead
@@ -96,14 +96,18 @@ def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
-    assert runner.spec_lookahead_tokens == SPEC_CHUNK_STEPS * 4
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(2)), 5
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 11  # to the end of the owned blocks
+    batch = [ScheduledSeq(seq, 1, 1)]
+    assert runner._chunk_steps(batch) == 11  # to the end of the owned blocks
+    assert runner._chunk_steps(batch, done=11) == 0  # nothing to queue behind it
     seq.block_table = list(range(8))
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == MAX_DECODE_STEPS
+    assert runner._chunk_steps(batch) == MAX_DECODE_STEPS
+    assert runner._chunk_steps(batch, done=MAX_DECODE_STEPS) == MAX_DECODE_STEPS  # the chunk queued behind
+    assert runner._chunk_steps(batch, done=50) == 64 - 5 - 50
     seq.params.max_tokens = 4
-    assert runner._chunk_steps([ScheduledSeq(seq, 1, 1)]) == 4  # no more tokens than the request wants
+    assert runner._chunk_steps(batch) == 4  # no more tokens than the request wants
+    assert runner._chunk_steps(batch, done=4) == 0
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
@@ -124,6 +128,7 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_le
     fixed = CudaGraphRunner.for_profile(NGRAM.overridden(spec_adaptive=False))(model, 32, 4, torch.float32)
     fixed.chunk_rates.update(spec=100.0, decode=200.0)
     assert all(fixed._spec_chunk_wanted(batch) for _ in range(20))  # not adaptive: always speculate
+    assert not runner._spec_possible(batch * (runner.spec_rows + 1))  # past the spec buckets: never, even if asked
     batch[0].seq.spec_enabled = False
     assert not runner._spec_chunk_wanted(batch) and not fixed._spec_chunk_wanted(batch)
 
@@ -219,7 +224,13 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
         return self.graphs[key]
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
-    monkeypatch.setattr(CudaGraphRunner, "_to_host", lambda self, tokens, host: host.copy_(tokens).numpy())
+    def to_host(self, tokens, host, meanwhile=None):  # eager "graphs" have already run: no wait
+        host.copy_(tokens)
+        if meanwhile is not None:
+            meanwhile()
+        return host.numpy()
+
+    monkeypatch.setattr(CudaGraphRunner, "_to_host", to_host)
 
     class CpuCuda(CudaBackend):
         def device(self):
@@ -247,3 +258,37 @@ def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu):
     spec = cuda_engine_on_cpu(spec="ngram", spec_tokens=4)
     assert [s.output_ids for s in spec.generate(prompts, params)] == want
     assert spec.spec_stats()["drafts"] > 0 and spec.spec_stats()["accepted"] > 0
+
+
+@pytest.mark.slow
+def test_decode_chunks_queued_ahead_give_the_step_by_step_tokens(cuda_engine_on_cpu, monkeypatch):
+    """Plain decoding with the next chunk queued behind the one the engine reads: requests that finish mid-chunk
+    and one that arrives late (the chunk in flight is dropped each time the batch changes) get exactly the tokens
+    of one step a round trip with nothing queued, and queued chunks did serve tokens (block tables growing
+    meanwhile)."""
+    served = []
+    continue_in_flight = CudaGraphRunner._continue_in_flight
+    monkeypatch.setattr(CudaGraphRunner, "_continue_in_flight",
+                        lambda self, batch: served.append(len(batch)) or continue_in_flight(self, batch))
+    prompts = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(4)).tolist()
+    lengths = [9, 4, 6]
+
+    def run(engine, chunk_steps):
+        # Few slots kept ahead: the block tables grow under the chunks queued ahead (which must see that).
+        engine.runner.max_decode_steps, engine.runner.lookahead_tokens = chunk_steps, 2 * chunk_steps
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts[:2], lengths)]
+        for _ in range(2):
+            engine.step()
+        seqs.append(engine.add_request(prompts[2], SamplingParams(max_tokens=lengths[2], ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+        return [s.output_ids for s in seqs]
+
+    step_by_step = cuda_engine_on_cpu(spec="none")
+    chunk_steps = step_by_step.runner._chunk_steps
+    step_by_step.runner._chunk_steps = lambda batch, done=0: 0 if done else chunk_steps(batch)  # nothing queued
+    want = run(step_by_step, 1)
+    assert not served and [len(t) for t in want] == lengths
+    assert run(cuda_engine_on_cpu(spec="none"), 3) == want
+    assert served  # tokens came from chunks queued ahead

@@ -177,10 +177,10 @@ def test_drafting_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny):
 
 
 def test_a_runner_that_drafts_itself_gets_no_drafts_but_kept_slots(tiny, monkeypatch):
-    """CUDA spec chunks draft and verify on the device: the engine drafts nothing and keeps len + reserve KV slots
-    allocated for the runner to fill ahead (from free blocks only)."""
+    """CUDA spec chunks draft and verify on the device: the engine drafts nothing and keeps len + lookahead KV
+    slots allocated for the runner to fill ahead (from free blocks only)."""
     monkeypatch.setattr(ModelRunner, "drafts_itself", True)
-    monkeypatch.setattr(ModelRunner, "spec_lookahead_tokens", 24)
+    monkeypatch.setattr(ModelRunner, "lookahead_tokens", 24)
     engine = engine_for(tiny, "ngram", 4)
     prompts = copy_heavy_prompts(tiny, count=2, seed=3)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

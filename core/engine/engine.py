@@ -15,7 +15,7 @@ from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, Status
 
 GIB = 1 << 30
 
@@ -53,7 +53,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
         self.spec = None if profile.spec == "none" else SpecDecoder(
             profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
-            reserve=self.runner.spec_lookahead_tokens, runner_drafts=self.runner.drafts_itself)
+            runner_drafts=self.runner.drafts_itself)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
 
     def _kv_dtype(self) -> torch.dtype:
@@ -124,9 +124,21 @@ class LLMEngine:
         self.runner.last_hidden = None  # a runner that replays look-ahead tokens runs no model and leaves it None
         _, sampled = self.runner.run(batch)
         outputs = self._postprocess(batch, sampled.tolist())
+        if self.runner.lookahead_tokens:
+            self._keep_lookahead(batch)
         if self.spec:
             self.spec.after_step(batch, starts, self.runner.last_hidden)
         return outputs
+
+    def _keep_lookahead(self, batch: list[ScheduledSeq]) -> None:
+        """The runner's look-ahead slots past each decoding sequence's end, from free blocks only: never at the
+        cost of preempting anyone (the runner then runs fewer steps ahead)."""
+        for item in batch:
+            seq = item.seq
+            if seq.status is Status.RUNNING and seq.num_uncomputed == 1:
+                ahead = min(len(seq) + self.runner.lookahead_tokens, self.max_model_len)
+                if self.blocks.can_grow(seq, ahead):
+                    self.blocks.grow(seq, ahead)
 
     def _postprocess(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
         outputs, row = [], 0

@@ -23,10 +23,11 @@ class StepInputs:
 class ModelRunner:
     """Generic runner; a backend may subclass it to capture graphs or fuse the step."""
 
-    # A runner may draft and verify by itself (CUDA: on the device); the engine then drafts nothing and only keeps
-    # spec_lookahead_tokens KV slots allocated past each speculating sequence's end, for the runner to fill.
+    # A runner may draft and verify by itself (CUDA: on the device); the engine then drafts nothing.
     drafts_itself = False
-    spec_lookahead_tokens = 0
+    # KV slots the engine keeps allocated past each decoding sequence's end, for a runner that runs steps ahead of
+    # the engine (CUDA: chunks of decode or verify steps) to fill.
+    lookahead_tokens = 0
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
         cfg = model.config

@@ -60,11 +60,10 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
 
 class SpecDecoder:
     def __init__(self, profile: Profile, model: DecoderModel, weights: dict, blocks: BlockManager,
-                 kv_dtype: torch.dtype, max_model_len: int, reserve: int = 0, runner_drafts: bool = False):
+                 kv_dtype: torch.dtype, max_model_len: int, runner_drafts: bool = False):
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
-        # A runner that drafts by itself (CUDA spec chunks) gets no drafts, only `reserve` KV slots kept allocated
-        # past each speculating sequence's end, which it fills ahead on its own.
-        self.reserve, self.runner_drafts = reserve, runner_drafts
+        # A runner that drafts by itself (CUDA spec chunks) gets no drafts: it fills the engine's look-ahead slots.
+        self.runner_drafts = runner_drafts
         self.drafter: Drafter = (
             MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
             if profile.spec == "mtp" else NgramDrafter()
@@ -88,10 +87,7 @@ class SpecDecoder:
         """Draft for the next step. `starts`: each sequence's num_computed before the step; `hidden`: the
         target's final hidden states for every token of the step."""
         requests, row = [], 0
-        if len(batch) > self.profile.spec_max_batch:
-            return
-        if self.runner_drafts:
-            self._keep_reserve(batch)
+        if len(batch) > self.profile.spec_max_batch or self.runner_drafts:
             return
         for item, start in zip(batch, starts):
             seq, first_row = item.seq, row
@@ -102,14 +98,6 @@ class SpecDecoder:
             requests.append(DraftRequest(seq, start, seq.num_computed - start, first_row, k))
         if requests:
             self._propose(requests, hidden)
-
-    def _keep_reserve(self, batch: list[ScheduledSeq]) -> None:
-        for item in batch:
-            seq = item.seq
-            if seq.status is Status.RUNNING and seq.spec_enabled and seq.num_uncomputed == 1:
-                ahead = min(len(seq) + self.reserve, self.max_model_len)
-                if self.blocks.can_grow(seq, ahead):  # from free blocks only, as drafts: never preempts
-                    self.blocks.grow(seq, ahead)
 
     def _drafts_wanted(self, seq: Sequence) -> int:
         k = self.tracker(seq).drafts_wanted()

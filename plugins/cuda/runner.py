@@ -3,10 +3,13 @@
 The host here is the bottleneck (tens of microseconds per Python-level torch call), so a decode step must not
 touch the host: each captured graph reads its inputs from static buffers, samples on the device and writes the
 sampled token back as the next step's input (with position, slot and context length derived on the device).
-One host round trip then runs up to MAX_DECODE_STEPS steps back to back, bounded by the KV slots the scheduler
-already gave each sequence and by its remaining max_tokens; the engine is handed one token per step from that
-look-ahead. Sampling noise is keyed by (seed, position), so the look-ahead tokens are exactly the tokens that
-step-by-step decoding would draw.
+One host round trip then runs up to MAX_DECODE_STEPS steps back to back, bounded by the KV slots each sequence
+owns (the engine keeps lookahead_tokens of them allocated past its end) and by its remaining max_tokens; the engine
+is handed one token per step from that look-ahead. The next chunk is queued on the device before the host waits for
+the current one, so the GPU decodes on while the engine consumes the tokens (if the batch changes meanwhile, the
+chunk in flight is dropped: its KV writes land in slots their sequences own, before anything queued later).
+Sampling noise is keyed by (seed, position), so the look-ahead tokens are exactly the tokens that step-by-step
+decoding would draw.
 
 With n-gram speculative decoding the runner drafts and verifies by itself, on the device (the engine drafts
 nothing): a "spec chunk" replays up to SPEC_CHUNK_STEPS verify steps in one round trip. Each drafts from the
@@ -86,11 +89,15 @@ class CudaGraphRunner(ModelRunner):
         self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
         self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
+        self._in_flight: tuple[torch.cuda.CUDAGraph, int] | None = None  # the decode chunk queued after _ahead's
+        self._spec_next = False  # the kind chooser, asked while queueing, wants a spec chunk for the next round
         self.use_graphs = self.use_graphs and bool(self.buckets)
         # Spec chunks for batches up to spec_max_batch (row-invariant buckets, so their tokens are decode's).
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
-        self.spec_lookahead_tokens = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
+        # Two decode chunks (the one read and the one in flight), or a spec chunk's worst case.
+        spec_ahead = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
+        self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
         self.drafts_itself = bool(self.spec_rows)
         self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
@@ -143,15 +150,18 @@ class CudaGraphRunner(ModelRunner):
             cached = self._from_lookahead(batch)
             if cached is not None:
                 return None, cached
+            self._in_flight = None
             self._close_round()
             if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
-                if self._spec_chunk_wanted(batch):
+                spec = self._spec_possible(batch) and (self._spec_next or self._spec_chunk_wanted(batch))
+                self._spec_next = False
+                if spec:
                     rows = self._spec_chunk(batch)
                     if rows is not None:
                         return None, rows
                 return None, self._decode(batch)
         self._close_round()
-        self._ahead = None
+        self._ahead, self._in_flight = None, None
         return super().run(batch)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -164,14 +174,43 @@ class CudaGraphRunner(ModelRunner):
         if graph is None:
             graph = self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
             self._fill_inputs(batch, bucket)
+        self._replay_decode(graph, steps)
+        self._read_chunk(batch, graph, steps)
+        return torch.from_numpy(np.array([column[0] for column in self._ahead.tokens]))
+
+    def _replay_decode(self, graph: torch.cuda.CUDAGraph, steps: int) -> None:
         self.step_index.zero_()
         for _ in range(steps):
             graph.replay()
         self.graph_replays += steps
         self.decode_steps_run += steps
-        tokens = self._to_host(self.out_tokens, self.host_out)[:steps, : len(batch)].copy()
+
+    def _read_chunk(self, batch: list[ScheduledSeq], graph: torch.cuda.CUDAGraph, steps: int) -> None:
+        """The replayed chunk's tokens become the look-ahead; the next chunk is queued behind their copy first."""
+
+        def queue_next():
+            following = self._chunk_steps(batch, done=steps)
+            if following > 0 and self.spec_rows and self._spec_chunk_wanted(batch):  # each chunk is a round
+                self._spec_next, following = True, 0
+            self._in_flight = (graph, following) if following > 0 else None
+            if self._in_flight:
+                # The engine grew the tables since the last upload. (Should the copy for the chunk before still
+                # be pending, it reads these longer tables: the same blocks, more of them.)
+                self._upload_tables(batch)
+                self._replay_decode(graph, following)
+
+        tokens = self._to_host(self.out_tokens, self.host_out, meanwhile=queue_next)[:steps, : len(batch)].copy()
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
-        return torch.from_numpy(tokens[0])
+
+    def _continue_in_flight(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """The look-ahead is spent and the chunk queued behind it holds the next tokens: it becomes the look-ahead
+        (a round of its own for the kind chooser) and the chunk after it is queued."""
+        graph, steps = self._in_flight
+        self._in_flight = None
+        self._close_round()
+        self._round = ("decode", time.perf_counter(), self.graph_captures)
+        self._read_chunk(batch, graph, steps)
+        return torch.from_numpy(np.array([column[0] for column in self._ahead.tokens]))
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Each sequence's next token read off the look-ahead when it holds them all: the batch that made it, each
@@ -179,46 +218,59 @@ class CudaGraphRunner(ModelRunner):
         ahead = self._ahead
         if ahead is None or len(batch) != len(ahead.seqs):
             return None
-        rows: list[int] = []
+        steps: list[int] = []
         for j, item in enumerate(batch):
             seq, column = item.seq, ahead.tokens[j]
             step = seq.num_computed - ahead.start_positions[j]  # the step that sampled the token after the last
             if (seq is not ahead.seqs[j] or item.num_tokens != 1 or item.num_logits != 1
-                    or not 0 <= step < len(column) or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
+                    or not 0 <= step <= len(column) or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
                 return None
-            rows.append(int(column[step]))
-        return torch.tensor(rows, dtype=torch.int64)
+            steps.append(step)
+        spent = [step == len(column) for step, column in zip(steps, ahead.tokens)]
+        if all(spent) and self._in_flight is not None:
+            return self._continue_in_flight(batch)
+        if any(spent):
+            return None
+        return torch.tensor([int(column[step]) for step, column in zip(steps, ahead.tokens)], dtype=torch.int64)
 
-    def _chunk_steps(self, batch: list[ScheduledSeq]) -> int:
-        """Steps whose KV slots every sequence already owns and whose tokens every sequence still wants."""
+    def _chunk_steps(self, batch: list[ScheduledSeq], done: int = 0) -> int:
+        """Steps, after `done` more, whose KV slots every sequence already owns and whose tokens every sequence
+        still wants (the step the engine scheduled always has its slot)."""
         steps = self.max_decode_steps
         for item in batch:
             seq = item.seq
-            room = len(seq.block_table) * self.block_size - seq.num_computed
-            wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt)
+            room = len(seq.block_table) * self.block_size - seq.num_computed - done
+            wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt) - done
             steps = min(steps, room, wanted)
-        return max(steps, 1)
+        return steps if done else max(steps, 1)
 
-    def _to_host(self, tokens: torch.Tensor, host: torch.Tensor) -> np.ndarray:
-        """The step's one host sync."""
+    def _to_host(self, tokens: torch.Tensor, host: torch.Tensor, meanwhile=None) -> np.ndarray:
+        """The round trip's one host sync; `meanwhile` queues more device work behind the copy before the wait."""
         host.copy_(tokens, non_blocking=True)
         self.copy_done.record()
+        if meanwhile is not None:
+            meanwhile()
         self.copy_done.synchronize()
         return host.numpy()
 
     def _fill_inputs(self, batch: list[ScheduledSeq], bucket: int) -> None:
-        ints, floats, tables = self.host_ints.numpy(), self.host_floats.numpy(), self.host_tables.numpy()
-        n = len(batch)
+        ints, floats = self.host_ints.numpy(), self.host_floats.numpy()
         ints[:, :bucket] = 0
         floats[0, :bucket], floats[1, :bucket] = 0.0, 1.0
         for j, item in enumerate(batch):
             seq = item.seq
             ints[:, j] = (seq.token_ids[seq.num_computed], seq.num_computed, 1, seq.seed, seq.params.top_k)
             floats[:, j] = (seq.params.temperature, seq.params.top_p)
-            tables[j, : len(seq.block_table)] = seq.block_table
         self.dev_ints.copy_(self.host_ints, non_blocking=True)
         self.dev_floats.copy_(self.host_floats, non_blocking=True)
-        self.dev_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
+        self._upload_tables(batch)
+
+    def _upload_tables(self, batch: list[ScheduledSeq]) -> None:
+        """The sequences' block tables as they are now (the engine grows them as they advance)."""
+        tables = self.host_tables.numpy()
+        for j, item in enumerate(batch):
+            tables[j, : len(item.seq.block_table)] = item.seq.block_table
+        self.dev_tables[: len(batch)].copy_(self.host_tables[: len(batch)], non_blocking=True)
 
     # --- capture -------------------------------------------------------------------------------------------
     def _splits(self, bucket: int) -> int:
@@ -289,10 +341,11 @@ class CudaGraphRunner(ModelRunner):
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
+    def _spec_possible(self, batch: list[ScheduledSeq]) -> bool:
+        return 0 < len(batch) <= self.spec_rows and all(i.seq.spec_enabled for i in batch)
+
     def _spec_chunk_wanted(self, batch: list[ScheduledSeq]) -> bool:
-        if not self.spec_rows or len(batch) > self.spec_rows:
-            return False
-        if not all(i.seq.spec_enabled for i in batch):
+        if not self._spec_possible(batch):
             return False
         if not self.profile.spec_adaptive:  # speculation never pauses
             return True
@@ -362,7 +415,7 @@ class CudaGraphRunner(ModelRunner):
             n = seq.num_computed + 1  # the last known token is not in the KV cache yet
             hist[j, :n] = seq.token_ids[:n]
             wanted = seq.params.max_tokens - (n - seq.num_prompt)
-            owned = min(len(seq.block_table) * self.block_size, n + self.spec_lookahead_tokens)
+            owned = min(len(seq.block_table) * self.block_size, n + self.lookahead_tokens)
             state[:, j] = (n, min(n + wanted, max_len), owned - 1, seq.seed)
             tables[j, : len(seq.block_table)] = seq.block_table
             rows = slice(j * q, (j + 1) * q)
