@@ -11,6 +11,7 @@ import torch
 
 from fixtures import write_tiny_hf_model
 from flashnext.core.engine.engine import GIB, LLMEngine
+from flashnext.core.engine.runner import ModelRunner
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
@@ -180,6 +181,25 @@ def test_preemption_under_a_tiny_cache_completes_every_request_unchanged(tiny):
     assert got == solo
     assert engine.blocks.num_free == 40 and set(engine.blocks.ref_counts) == {0}
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_lookahead_slots_come_from_free_blocks_and_change_nothing(tiny, monkeypatch):
+    """A runner that runs steps ahead (CUDA) gets lookahead_tokens KV slots past each decoding sequence, from free
+    blocks only: with room they are there after every step; in a cache too small for them, requests still finish
+    with the same tokens and every block comes back."""
+    batch = prompts(tiny, lens=[30, 45, 60, 25, 50, 40, 55, 35], seed=9)
+    plain = greedy(engine_for(tiny), batch, max_tokens=20)
+    monkeypatch.setattr(ModelRunner, "lookahead_tokens", 12)
+    roomy = engine_for(tiny)
+    seqs = [roomy.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in batch[:2]]
+    while roomy.has_work():
+        roomy.step()
+        decoding = [s for s in seqs if not s.finish_reason and s.num_uncomputed == 1]
+        assert all(len(s.block_table) * BS >= len(s) + 12 for s in decoding)
+    assert [s.output_ids for s in seqs] == plain[:2]
+    tight = engine_for(tiny, kv_cache_max_gib=kv_gib(tiny, 40), max_num_batched_tokens=32)
+    assert greedy(tight, batch, max_tokens=20) == plain
+    assert tight.blocks.num_free == 40
 
 
 def test_a_request_longer_than_the_whole_cache_stops_instead_of_hanging(tiny):
