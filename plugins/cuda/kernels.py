@@ -731,7 +731,7 @@ class CudaKernels(ReferenceKernels):
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
                        scale, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
         """qkv_rope_store then attention: [T, H, D]. Split decode steps do both in the attention kernel."""
-        if meta.max_query_len == 1 and self.decode_splits > 1 and k_cache.dtype != torch.float8_e5m2:
+        if self._split_kv(meta) and k_cache.dtype != torch.float8_e5m2:
             out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if qkv.shape[0]:
                 self._split_decode(qkv, k_cache, v_cache, meta, scale, out, False,
@@ -755,7 +755,7 @@ class CudaKernels(ReferenceKernels):
         e5m2 = k_cache.dtype == torch.float8_e5m2
         if e5m2:
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if meta.max_query_len == 1 and self.decode_splits > 1:
+        if self._split_kv(meta):
             return self._split_decode(q.view(n_seqs, -1), k_cache, v_cache, meta, scale, out, e5m2)
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
@@ -766,6 +766,10 @@ class CudaKernels(ReferenceKernels):
             BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32,
             E5M2_BITS=e5m2, **self._pdl)
         return out
+
+    def _split_kv(self, meta: AttentionMetadata) -> bool:
+        """Decode-only steps the runner captured with KV splits take the split-KV kernel."""
+        return meta.max_query_len == 1 and self.decode_splits > 1
 
     def _split_decode(self, q, k_cache, v_cache, meta, scale, out, e5m2, rope=None):
         """q: [rows, H * D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""

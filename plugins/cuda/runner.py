@@ -175,8 +175,7 @@ class CudaGraphRunner(ModelRunner):
             graph = self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
             self._fill_inputs(batch, bucket)
         self._replay_decode(graph, steps)
-        self._read_chunk(batch, graph, steps)
-        return torch.from_numpy(np.array([column[0] for column in self._ahead.tokens]))
+        return self._read_chunk(batch, graph, steps)
 
     def _replay_decode(self, graph: torch.cuda.CUDAGraph, steps: int) -> None:
         self.step_index.zero_()
@@ -185,8 +184,9 @@ class CudaGraphRunner(ModelRunner):
         self.graph_replays += steps
         self.decode_steps_run += steps
 
-    def _read_chunk(self, batch: list[ScheduledSeq], graph: torch.cuda.CUDAGraph, steps: int) -> None:
-        """The replayed chunk's tokens become the look-ahead; the next chunk is queued behind their copy first."""
+    def _read_chunk(self, batch: list[ScheduledSeq], graph: torch.cuda.CUDAGraph, steps: int) -> torch.Tensor:
+        """The replayed chunk's tokens become the look-ahead (its first step's tokens are returned); the next chunk
+        is queued behind their copy first."""
 
         def queue_next():
             following = self._chunk_steps(batch, done=steps)
@@ -201,6 +201,7 @@ class CudaGraphRunner(ModelRunner):
 
         tokens = self._to_host(self.out_tokens, self.host_out, meanwhile=queue_next)[:steps, : len(batch)].copy()
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
+        return torch.from_numpy(tokens[0])
 
     def _continue_in_flight(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """The look-ahead is spent and the chunk queued behind it holds the next tokens: it becomes the look-ahead
@@ -209,8 +210,7 @@ class CudaGraphRunner(ModelRunner):
         self._in_flight = None
         self._close_round()
         self._round = ("decode", time.perf_counter(), self.graph_captures)
-        self._read_chunk(batch, graph, steps)
-        return torch.from_numpy(np.array([column[0] for column in self._ahead.tokens]))
+        return self._read_chunk(batch, graph, steps)
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Each sequence's next token read off the look-ahead when it holds them all: the batch that made it, each
@@ -403,7 +403,7 @@ class CudaGraphRunner(ModelRunner):
         """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
         lengths (the look-ahead starts after them)."""
         q = self.verify_len
-        hist, state, tables = self.host_hist.numpy(), self.host_spec.numpy(), self.host_tables.numpy()
+        hist, state = self.host_hist.numpy(), self.host_spec.numpy()
         ints, floats = self.host_verify_ints.numpy(), self.host_verify_floats.numpy()
         state[:, :bucket] = 0  # idle rows: an empty history takes no step
         ints[4, : bucket * q] = 0
@@ -417,7 +417,6 @@ class CudaGraphRunner(ModelRunner):
             wanted = seq.params.max_tokens - (n - seq.num_prompt)
             owned = min(len(seq.block_table) * self.block_size, n + self.lookahead_tokens)
             state[:, j] = (n, min(n + wanted, max_len), owned - 1, seq.seed)
-            tables[j, : len(seq.block_table)] = seq.block_table
             rows = slice(j * q, (j + 1) * q)
             ints[4, rows] = seq.params.top_k
             floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
@@ -428,7 +427,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
-        self.dev_tables[: len(batch)].copy_(self.host_tables[: len(batch)], non_blocking=True)
+        self._upload_tables(batch)
         return starts
 
     def _spec_body(self, rows: int, greedy: bool) -> None:
