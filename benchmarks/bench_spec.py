@@ -10,11 +10,17 @@ Every method decodes the same greedy tokens (speculative decoding is lossless), 
 
 With --shape the weights are random and the prompts are token ids (a random passage repeated for copy-heavy),
 so the acceptance numbers say what the random model happened to repeat, not what a real model would.
+
+Each method runs in a process of its own: on an H200 the second engine built in one process decoded ~10% slower
+than the first whichever method it ran, which made "x none" depend on the order (--in-process: one process).
 """
 
 import argparse
 import json
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -74,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared VM)")
     p.add_argument("--json", dest="json_path", help="write the result list here")
+    p.add_argument("--in-process", action="store_true", help="every method in this process, one after another")
+    p.add_argument("--rows-to", help=argparse.SUPPRESS)  # a child process: its rows, outputs kept, to this file
     args = p.parse_args(argv)
     if args.model and args.shape:
         p.error("give --model or --shape, not both")
@@ -104,9 +112,16 @@ def decode_run(llm: LLM, prompt: list[int], gen_len: int) -> tuple[float, int, l
     return time.perf_counter() - first, len(seq.output_ids) - 1, seq.output_ids
 
 
-def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
+def bench_method(args, loaded, method: str) -> list[dict]:
     llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile,
               spec_tokens=args.spec_tokens, **METHODS[method])
+    prompts = prompt_sets(llm, random_weights=bool(args.shape))
+    common = {
+        "machine": machine_name(llm.engine.model.device), "backend": llm.info.backend,
+        "model": args.shape or llm.info.model, "precision": llm.engine.precision.name,
+        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "batch_size": 1,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),
+    }
     decode_run(llm, next(iter(prompts.values()))[0], 8)  # warm-up
     rows = []
     for kind, kind_prompts in prompts.items():
@@ -124,7 +139,7 @@ def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
         drafts = after["drafts"] - before["drafts"]
         per_position = [a - b for a, b in zip(after["accepted_per_position"],
                                               before["accepted_per_position"] + [0] * len(after["accepted_per_position"]))]
-        rows.append({
+        rows.append(common | {
             "method": method, "prompts": kind, "decode_tok_s": round(tokens / seconds, 2),
             "drafts": drafts, "drafted": drafted, "accepted": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
@@ -136,22 +151,37 @@ def bench_method(args, loaded, method: str, prompts: dict) -> list[dict]:
     return rows
 
 
+def child_argv(args) -> list[str]:
+    """The options a child process needs to bench one method as this run would."""
+    argv = ["--backend", args.backend, "--spec-tokens", str(args.spec_tokens), "--gen-len", str(args.gen_len),
+            "--repeats", str(args.repeats)]
+    for name in ("model", "shape", "precision", "profile", "threads"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name}", str(getattr(args, name))]
+    return argv
+
+
+def rows_in_child(args, method: str) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, __file__, *child_argv(args), "--methods", method, "--rows-to", f.name],
+                       check=True)
+        return json.load(open(f.name))
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_bench_model(args.model, args.shape, args.backend)
     methods = args.methods.split(",")
-    first = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile)
-    prompts = prompt_sets(first, random_weights=bool(args.shape))
-    common = {
-        "machine": machine_name(first.engine.model.device), "backend": first.info.backend,
-        "model": args.shape or first.info.model, "precision": first.engine.precision.name,
-        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "batch_size": 1,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),
-    }
-    del first
-    rows = [row for method in methods for row in bench_method(args, loaded, method, prompts)]
+    if args.in_process or args.rows_to:
+        loaded = load_bench_model(args.model, args.shape, args.backend)
+        rows = [row for method in methods for row in bench_method(args, loaded, method)]
+        if args.rows_to:
+            with open(args.rows_to, "w") as f:
+                json.dump(rows, f)
+            return
+    else:
+        rows = [row for method in methods for row in rows_in_child(args, method)]
     baseline = {r["prompts"]: r for r in rows if r["method"] == "none"}
     for r in rows:
         base = baseline.get(r["prompts"])
@@ -163,8 +193,8 @@ def main(argv=None):
                                      for a, b in zip(r["outputs"], base["outputs"])]
     for r in rows:
         del r["outputs"]
-    results = [common | r for r in rows]
-    table = Table(title=f"speculative decoding, batch 1 · {common['machine']} · {common['model']}")
+    results = rows
+    table = Table(title=f"speculative decoding, batch 1 · {rows[0]['machine']} · {rows[0]['model']}")
     for col in ("prompts", "method", "decode tok/s", "× none", "verify steps", "accept rate", "mean accept len",
                 "lossless"):
         table.add_column(col)

@@ -166,6 +166,7 @@ def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile
             "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
             "peak_memory_bytes": _peak_memory(device),
             "graph_captures": getattr(runner, "graph_captures", 0), "graph_replays": getattr(runner, "graph_replays", 0),
+            "graph_memory_bytes": getattr(runner, "graph_memory_bytes", 0),
             "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
     return rows

@@ -24,6 +24,8 @@ class EngineCollector:
         spec = engine.spec_stats()
         yield _counter("cuda_graph_captures", "CUDA graphs captured", getattr(runner, "graph_captures", 0))
         yield _counter("cuda_graph_replays", "Steps run by replaying a CUDA graph", getattr(runner, "graph_replays", 0))
+        yield GaugeMetricFamily("flashnext_cuda_graph_memory_bytes", "Device memory reserved by CUDA graph captures",
+                                value=getattr(runner, "graph_memory_bytes", 0))
         yield _counter("chunked_prefill_chunks", "Prompt pieces run while the prompt was not yet whole",
                        scheduler.prefill_chunks)
         yield _counter("preemptions", "Requests preempted (blocks freed, recomputed later)", scheduler.preemptions)

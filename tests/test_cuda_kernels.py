@@ -77,6 +77,23 @@ def test_plain_gemv_matches_linear(rows, n, k):
         assert nmse(CUDA.gemv(x, w, config=config), REF.linear(x, w)) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_argmax_in_two_halves_is_torchs(dtype):
+    """argmax_keys (chunk maxima, packed with their indices) + decode_advance (the maximum of those) pick what
+    torch.argmax picks: the first of equal maxima, across chunks too, negative rows and a length the chunks do
+    not divide included."""
+    logits = rand(4, 1000, dtype=dtype)
+    logits[0, [10, 700]] = 9.0  # a tie across chunks: the first wins
+    logits[1, [301, 302]] = 9.0  # within one chunk
+    logits[2] = -logits[2].abs() - 1  # all negative
+    keys = CUDA.argmax_keys(logits, chunks=8)
+    ids, positions = torch.zeros(4, dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
+    out, step = torch.zeros(1, 4, dtype=torch.int64, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+    CUDA.decode_advance(keys, ids, positions, out, step)
+    assert out[0].tolist() == logits.float().argmax(-1).tolist() and out[0, :2].tolist() == [10, 301]
+    assert ids.tolist() == out[0].tolist() and positions.tolist() == [1] * 4
+
+
 def test_decode_step_bookkeeping_kernels():
     block_size = 4
     tables = torch.tensor([[7, 2, 5], [1, 0, 0], [3, 3, 3]], dtype=torch.int32, device=DEV)

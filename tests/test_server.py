@@ -209,7 +209,7 @@ DESIGN_METRICS = [
     "flashnext_spec_decode_draft_tokens_total", "flashnext_spec_decode_accepted_tokens_total",
     "flashnext_spec_decode_accepted_tokens_per_pos_total", "flashnext_time_to_first_token_seconds",
     "flashnext_inter_token_latency_seconds", "flashnext_kv_cache_usage_ratio", "flashnext_preemptions_total",
-    "flashnext_requests_total", "flashnext_prefix_cache_hits_total",
+    "flashnext_requests_total", "flashnext_prefix_cache_hits_total", "flashnext_cuda_graph_memory_bytes",
 ]
 
 

@@ -1,9 +1,10 @@
 """The decoder forward pass on the fused CUDA kernels: six launches a layer in a small-batch decode step.
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
-prologue of the projection after it, q/k norm + rope + the KV-cache write ride in the attention kernel (or are one
-pass before it), and SiLU-and-mul rides in the gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV
-write + its reduction, o GEMV, gate/up GEMV, down GEMV).
+prologue of the projection after it (the final one in the vocabulary projection's, see logits_of), q/k norm + rope
++ the KV-cache write ride in the attention kernel (or are one pass before it), and SiLU-and-mul rides in the
+gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV,
+down GEMV).
 Larger batches fall back, op by op, to the unfused Triton kernels and cuBLAS.
 """
 
@@ -15,9 +16,10 @@ from flashnext.core.model import DecoderModel
 from .kernels import CudaKernels
 
 
-def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-    """Hidden states after the final norm, [T, hidden]."""
+def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's output and the residual stream before it, [T, hidden] each: the final norm is left to
+    the kernel after it (the vocabulary projection can take it in its prologue)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     hidden = kernels.embedding(input_ids, model.embed)
     residual = None
@@ -30,4 +32,16 @@ def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, 
         out = kernels.linear(attn.flatten(1), layer.o)
         act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True)
         hidden = kernels.linear(act, layer.down)
-    return kernels.add_rmsnorm(hidden, residual, model.norm, eps)[0]
+    return hidden, residual
+
+
+def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    """Hidden states after the final norm, [T, hidden]."""
+    hidden, residual = forward_unnormed(model, kernels, input_ids, positions, meta, kv_caches)
+    return kernels.add_rmsnorm(hidden, residual, model.norm, model.config.rms_norm_eps)[0]
+
+
+def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor):
+    """16-bit logits of forward_unnormed's output, the final norm in the projection's prologue."""
+    return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]

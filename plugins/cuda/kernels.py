@@ -29,6 +29,9 @@ GEMV_MAX_K = 4096
 GEMV_MAX_N = 32768
 # Keys a split-KV decode program reads per tile.
 SPLIT_BLOCK_N = 32
+# A greedy step's argmax: up to this many programs a row, each over at least ARGMAX_MIN_CHUNK logits (Qwen3's
+# 151,936: 128 x 1,187).
+ARGMAX_CHUNKS, ARGMAX_MIN_CHUNK = 128, 1024
 # fp8 weights at batches up to this many rows (decode) use the skinny Triton GEMM; larger ones torch._scaled_mm.
 SKINNY_MAX_ROWS = 64
 
@@ -98,32 +101,47 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
 
 
 @triton.jit
-def _norm_rope(src, w_ptr, pos_cs, eps, mask, D: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
-    """Heads [rows, D] at src + d (src [rows, 1] pointers), optionally rmsnormed per head, rotated neox-style:
-    element d pairs with the one half a head away. pos_cs [rows, 1] points at the position's (cos, sin) row."""
+def _rope_constants(w_ptr, pos_cs, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """What normalizing and rotating a head at one position reads besides the head itself: the norm weight, the
+    same with halves swapped, cos and sin ([1, D] each; pos_cs points at the position's (cos, sin) row). None of
+    it is written by the step's kernels, so a kernel may read it before its producer wait."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, D)[None, :]
-    partner = (d + HALF) % D
+    if HAS_NORM:
+        w = tl.load(w_ptr + d).to(tl.float32)
+        w_swapped = tl.load(w_ptr + (d + HALF) % D).to(tl.float32)
+    else:
+        w = tl.full([1, D], 1.0, tl.float32)
+        w_swapped = w
+    return w, w_swapped, tl.load(pos_cs + d % HALF), tl.load(pos_cs + HALF + d % HALF)
+
+
+@triton.jit
+def _apply_norm_rope(src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                     dtype: tl.constexpr):
+    """Heads [rows, D] at src + d (src [rows, 1] pointers), optionally rmsnormed per head, rotated neox-style:
+    element d pairs with the one half a head away. The rest comes from _rope_constants."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)[None, :]
     x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(src + (d + HALF) % D, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        x = (x * rms * tl.load(w_ptr + d).to(tl.float32)).to(dtype).to(tl.float32)
-        xp = (xp * rms * tl.load(w_ptr + partner).to(tl.float32)).to(dtype).to(tl.float32)
-    cos = tl.load(pos_cs + d % HALF, mask=mask, other=0.0)
-    sin = tl.load(pos_cs + HALF + d % HALF, mask=mask, other=0.0)
+        x = (x * rms * w).to(dtype).to(tl.float32)
+        xp = (xp * rms * w_swapped).to(dtype).to(tl.float32)
     return tl.where(d < HALF, x * cos - xp * sin, x * cos + xp * sin).to(dtype)
 
 
 @triton.jit
-def _store_new_kv(row_ptr, kn_ptr, pos_cs, eps, slot, kvh, k_cache, v_cache, H: tl.constexpr, KVH: tl.constexpr,
-                  D: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr):
+def _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H: tl.constexpr,
+                  KVH: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
+                  dtype: tl.constexpr):
     """Rotated keys and the values of kv heads kvh .. kvh + BLOCK_KV (< KVH) of one qkv row, into cache slot;
-    returns them ([BLOCK_KV, D] each, as stored)."""
+    returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _rope_constants."""
     h = kvh + tl.arange(0, BLOCK_KV)[:, None]
     d = tl.arange(0, D)[None, :]
     m = h < KVH
-    k = _norm_rope(row_ptr + (H + h) * D, kn_ptr, pos_cs, eps, m, D, HAS_NORM, dtype)
+    k = _apply_norm_rope(row_ptr + (H + h) * D, kw, kw_swapped, cos, sin, eps, m, D, HAS_NORM, dtype)
     cdt = k_cache.dtype.element_ty
     dst = slot * KVH * D + h * D + d
     k = k.to(cdt)
@@ -140,14 +158,17 @@ def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_
     _after_producer(PDL)
     t = tl.program_id(0)
     dtype = q_out_ptr.dtype.element_ty
-    pos_cs = cos_sin_ptr + tl.load(pos_ptr + t) * D + tl.zeros([1, 1], tl.int64)
+    pos_cs = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * D
     row = qkv_ptr + t * stride_qkv
     h = tl.arange(0, BLOCK_H)[:, None]
-    q = _norm_rope(row + h * D, qn_ptr, pos_cs, eps, h < H, D, HAS_NORM, dtype)
+    qw, qw_swapped, cos, sin = _rope_constants(qn_ptr, pos_cs, D, HAS_NORM)
+    q = _apply_norm_rope(row + h * D, qw, qw_swapped, cos, sin, eps, h < H, D, HAS_NORM, dtype)
     tl.store(q_out_ptr + t * H * D + h * D + tl.arange(0, D)[None, :], q, mask=h < H)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        _store_new_kv(row, kn_ptr, pos_cs, eps, slot, 0, k_cache, v_cache, H, KVH, D, BLOCK_KV, HAS_NORM, dtype)
+        kw, kw_swapped, _, _ = _rope_constants(kn_ptr, pos_cs, D, HAS_NORM)
+        _store_new_kv(row, kw, kw_swapped, cos, sin, eps, slot, 0, k_cache, v_cache, H, KVH, D, BLOCK_KV, HAS_NORM,
+                      dtype)
 
 
 @triton.jit
@@ -285,8 +306,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     table_row = seq // rows_per_table
     dtype = q_ptr.dtype.element_ty
     if ROPE:
+        # Everything but the qkv row itself is read before the wait: the first key tile, this row's position and
+        # slot (written before layer 0), the norm weights and the position's cos / sin.
         k0, v0, n0 = _kv_tile(k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
                               max_blocks, dtype, False)
+        pos = tl.load(pos_ptr + seq)
+        slot = tl.load(slot_ptr + seq)
+        pos_cs = cos_sin_ptr + pos.to(tl.int64) * D
+        qw, qw_swapped, cos, sin = _rope_constants(qn_ptr, pos_cs, D, HAS_NORM)
+        kw, kw_swapped, _, _ = _rope_constants(kn_ptr, pos_cs, D, HAS_NORM)
     _after_producer(PDL)
     r = tl.arange(0, BLOCK_M)
     head = kvh * GROUP + r % GROUP
@@ -295,19 +323,24 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
     acc, m_i, l_i = _softmax_start(BLOCK_M, D)
     if ROPE:
-        for j in range(seq - seq % rows_per_table, seq + 1):
-            pos = tl.load(pos_ptr + j)
-            slot = tl.load(slot_ptr + j)
-            if (pos >= lo) & (pos < hi) & (slot >= 0):
-                new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kn_ptr, cos_sin_ptr + pos * D +
-                                             tl.zeros([1, 1], tl.int64), eps, slot, kvh, k_cache, v_cache, H, KVH, D,
-                                             1, HAS_NORM, dtype)
-                k0 = tl.where((n0 == pos)[:, None], new_k.to(dtype), k0)
-                v0 = tl.where((n0 == pos)[:, None], new_v.to(dtype), v0)
+        q = _apply_norm_rope(q_ptr + seq * stride_q + head[:, None] * D, qw, qw_swapped, cos, sin, eps,
+                             ok[:, None], D, HAS_NORM, dtype)
+        if (pos >= lo) & (pos < hi) & (slot >= 0):
+            new_k, new_v = _store_new_kv(q_ptr + seq * stride_q, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache,
+                                         v_cache, H, KVH, D, 1, HAS_NORM, dtype)
+            k0 = tl.where((n0 == pos)[:, None], new_k.to(dtype), k0)
+            v0 = tl.where((n0 == pos)[:, None], new_v.to(dtype), v0)
+        for j in range(seq - seq % rows_per_table, seq):  # a verify row: the rows before it in its group
+            pos_j = tl.load(pos_ptr + j)
+            slot_j = tl.load(slot_ptr + j)
+            if (pos_j >= lo) & (pos_j < hi) & (slot_j >= 0):
+                pos_cs_j = cos_sin_ptr + pos_j.to(tl.int64) * D
+                kw_j, kw_swapped_j, cos_j, sin_j = _rope_constants(kn_ptr, pos_cs_j, D, HAS_NORM)
+                new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kw_j, kw_swapped_j, cos_j, sin_j, eps, slot_j,
+                                             kvh, k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype)
+                k0 = tl.where((n0 == pos_j)[:, None], new_k.to(dtype), k0)
+                v0 = tl.where((n0 == pos_j)[:, None], new_v.to(dtype), v0)
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
-        pos_cs = cos_sin_ptr + tl.load(pos_ptr + seq) * D + tl.zeros([BLOCK_M, 1], tl.int64)
-        q = _norm_rope(q_ptr + seq * stride_q + head[:, None] * D, qn_ptr, pos_cs, eps, ok[:, None], D, HAS_NORM,
-                       dtype)
         acc, m_i, l_i = _softmax_update(q, k0, v0, n0, hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
     else:
@@ -437,9 +470,10 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
                       PDL: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
-    Program (n block, row block) holds BLOCK_N rows of W (read before the wait for the producer of x) and applies
-    them to ROW_BLOCK rows of x, unrolled and independent: every row runs the same instructions a one-row call runs,
-    so its result is bit-equal whatever ROWS and ROW_BLOCK are (a speculative verify step reproduces decode).
+    Program (n block, row block) holds BLOCK_N rows of W and the norm weight (read before the wait for the
+    producer of x) and applies them to ROW_BLOCK rows of x, unrolled and independent: every row runs the same
+    instructions a one-row call runs, so its result is bit-equal whatever ROWS and ROW_BLOCK are (a speculative
+    verify step reproduces decode).
     With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. The n-block 0
     programs write the new residual; the others only read the old one, so the output buffer must differ from the
     input. Weights are read as WKIND says (see _load_rows).
@@ -451,9 +485,11 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
     if SILU:
         w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, n + N_OUT, n_ok, K, WKIND, GROUP, BLOCK_N,
                                       BLOCK_K)
+    k = tl.arange(0, BLOCK_K)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     _after_producer(PDL)
     dtype = out_ptr.dtype.element_ty
-    k = tl.arange(0, BLOCK_K)
     for i in tl.static_range(ROW_BLOCK):
         row = first_row + i
         k_ok = (k < K) & (k * 0 + row < ROWS)  # masks as tensors: the interpreter rejects scalar conditions
@@ -464,7 +500,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
         xf = x.to(tl.float32)
         if HAS_NORM:
             rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-            xf = (xf * rms * tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            xf = (xf * rms * nw).to(dtype).to(tl.float32)
         acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K).to(dtype)
         if SILU:
             up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
@@ -521,6 +557,29 @@ def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, K, GROUP:
 
 
 @triton.jit
+def _argmax_key(value, index):
+    """(value, index) packed in an int64 ordered by value, then by the lower index (torch.argmax returns the first
+    of equal maxima): the float's bits made monotonic as an unsigned 32-bit number, above 31 bits of
+    2^31 - 1 - index. Positive, so 0 is below every key."""
+    bits = value.to(tl.int32, bitcast=True)
+    monotonic = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.int64) & 0xFFFFFFFF
+    return (monotonic << 31) | (2147483647 - index.to(tl.int64))
+
+
+@triton.jit
+def _argmax_chunks_kernel(x_ptr, keys_ptr, N, CHUNK, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """First half of a greedy step's argmax: the best key of each chunk of each row (decode_advance takes the
+    rest). Many programs where torch's argmax gives a vocabulary-sized row to one."""
+    _after_producer(PDL)
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, BLOCK)
+    i = chunk * CHUNK + j
+    ok = (j < CHUNK) & (i < N)
+    value = tl.load(x_ptr + row * N + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(keys_ptr + row * CHUNKS + chunk, tl.max(tl.where(ok, _argmax_key(value, i), 0), axis=0))
+
+
+@triton.jit
 def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows, width,
                           BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     _after_producer(PDL)
@@ -535,13 +594,19 @@ def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows
 
 @triton.jit
 def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
-    """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance."""
+                           CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance.
+    CHUNKS > 0: tok_ptr holds argmax_keys' [rows, CHUNKS] keys, whose maximum per row is the token."""
     _after_producer(PDL)
     r = tl.arange(0, BLOCK)
     m = r < rows
     step = tl.load(step_ptr)
-    tok = tl.load(tok_ptr + r, mask=m)
+    if CHUNKS > 0:
+        c = tl.arange(0, CHUNKS)
+        keys = tl.load(tok_ptr + r[:, None] * CHUNKS + c[None, :], mask=m[:, None], other=0)
+        tok = 2147483647 - (tl.max(keys, axis=1) & 2147483647)
+    else:
+        tok = tl.load(tok_ptr + r, mask=m)
     tl.store(out_ptr + step * out_stride + r, tok, mask=m)
     tl.store(ids_ptr + r, tok, mask=m)
     tl.store(pos_ptr + r, tl.load(pos_ptr + r, mask=m) + 1, mask=m)
@@ -797,10 +862,14 @@ class CudaKernels(ReferenceKernels):
             _silu_mul_kernel[(rows, triton.cdiv(n, block))](x.contiguous(), out, n, BLOCK=block, **self._pdl)
         return out
 
-    def linear(self, x, w: Weight, bias=None):
-        # cuBLAS streams wide 16-bit outputs (the vocabulary projection) well; quantized ones only we can read.
+    def _gemv_route(self, x, w) -> bool:
+        """Whether x @ w.T goes through the register GEMV. cuBLAS streams wide 16-bit outputs (the vocabulary
+        projection) well unless the graph wants row-invariance; quantized ones only we can read."""
         wide_ok = w.shape[0] <= GEMV_MAX_N or not isinstance(w, torch.Tensor) or self.gemv_wide
-        if self.register_gemv and self._gemv_fits(x, w) and wide_ok:
+        return self.register_gemv and self._gemv_fits(x, w) and wide_ok
+
+    def linear(self, x, w: Weight, bias=None):
+        if self._gemv_route(x, w):
             out = self.gemv(x, w)
         elif self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
@@ -868,7 +937,7 @@ class CudaKernels(ReferenceKernels):
         residual None means x is the residual stream itself (the first layer). One- and two-row batches run as
         one fused GEMV (any weight kind); anything else as the separate kernels.
         """
-        if not (self.register_gemv and self._gemv_fits(x, w)):
+        if not self._gemv_route(x, w):
             if residual is None:
                 normed, residual = self.rmsnorm(x, norm_w, eps), x
             else:
@@ -934,7 +1003,20 @@ class CudaKernels(ReferenceKernels):
         _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0), K=k,
                                               Q_BLOCK=_pow2(k + 1), **self._pdl)
 
+    def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+        """[rows, chunks] packed (logit, index) maxima of chunks of each row; decode_advance finishes the argmax."""
+        rows, n = logits.shape
+        chunks = chunks or max(1, min(ARGMAX_CHUNKS, _pow2(n // ARGMAX_MIN_CHUNK + 1) // 2))  # a power of 2
+        keys = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+        chunk = triton.cdiv(n, chunks)
+        if rows:
+            _argmax_chunks_kernel[(rows, chunks)](logits, keys, n, chunk, CHUNKS=chunks, BLOCK=_pow2(chunk),
+                                                  **self._pdl)
+        return keys
+
     def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
+        """tokens: [rows] sampled tokens, or argmax_keys' [rows, chunks] keys of a greedy step."""
         rows = tokens.shape[0]
         _decode_advance_kernel[(1,)](tokens, ids, positions, out_tokens, step_index, rows, out_tokens.stride(0),
-                                     BLOCK=_pow2(rows), **self._pdl)
+                                     BLOCK=_pow2(rows), CHUNKS=tokens.shape[1] if tokens.dim() == 2 else 0,
+                                     **self._pdl)

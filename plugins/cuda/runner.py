@@ -37,10 +37,12 @@ from flashnext.core.spec.decoder import SpecStats
 
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
 
-from .forward import forward
+from .forward import forward, forward_unnormed, logits_of
 from .kernels import GEMV_MAX_ROWS
 
 MAX_DECODE_STEPS = 16
+# Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
+SPLIT_MIN_PROGRAMS = 256
 # Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
 SPEC_CHUNK_STEPS = 8
 # Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here: tokens the
@@ -80,6 +82,9 @@ class CudaGraphRunner(ModelRunner):
         self.kernels = model.kernels
         self.graph_captures = 0
         self.graph_replays = 0
+        # Device memory the captures added (their pool and warm-up), outside the KV budget: the profile's
+        # memory_utilization leaves the rest of the device for it and the activations (docs/benchmarks.md).
+        self.graph_memory_bytes = 0
         self.decode_steps_run = 0  # device decode steps, look-ahead included
         self.max_decode_steps = MAX_DECODE_STEPS  # 1 turns the look-ahead off (same graphs, one step a round trip)
         profile = self.profile
@@ -277,7 +282,7 @@ class CudaGraphRunner(ModelRunner):
         """KV splits so that a small decode batch still gives the GPU a few hundred attention programs."""
         programs = bucket * self.model.config.num_kv_heads
         splits = 1
-        while splits < 16 and programs * splits < 256:
+        while splits < 16 and programs * splits < SPLIT_MIN_PROGRAMS:
             splits *= 2
         return splits
 
@@ -302,6 +307,7 @@ class CudaGraphRunner(ModelRunner):
             kernels.decode_splits, kernels.gemv_max_rows, kernels.gemv_wide = 1, GEMV_MAX_ROWS, False
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
+        reserved = torch.cuda.memory_reserved(self.device)
         with self.graph_settings(key[0], query_rows):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
@@ -315,6 +321,7 @@ class CudaGraphRunner(ModelRunner):
                 body()
         self.graphs[key] = graph
         self.graph_captures += 1
+        self.graph_memory_bytes += max(torch.cuda.memory_reserved(self.device) - reserved, 0)
         return graph
 
     def _decode_body(self, rows: int, greedy: bool) -> None:
@@ -332,12 +339,14 @@ class CudaGraphRunner(ModelRunner):
             max_query_len=1,
             max_context_len=self.table_width * self.block_size,
         )
-        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
         # 16-bit logits: argmax over them equals argmax over their exact fp32 widening, and sample() widens
         # itself when it needs probabilities, so the [rows, vocab] fp32 copy compute_logits makes is skipped.
-        logits = k.linear(hidden, self.model.lm_head)
-        seeds = positions if greedy else (request_seed * 1_000_003 + positions + 1) & _SEED_MASK  # unused if greedy
-        tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
+        logits = logits_of(self.model, k, *forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches))
+        if greedy:  # the argmax's second half rides in decode_advance
+            tokens = k.argmax_keys(logits)
+        else:
+            seeds = (request_seed * 1_000_003 + positions + 1) & _SEED_MASK
+            tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
@@ -447,8 +456,7 @@ class CudaGraphRunner(ModelRunner):
             max_query_len=1,
             max_context_len=self.table_width * self.block_size,
         )
-        hidden = forward(self.model, k, ids, positions, meta, self.kv_caches)
-        logits = k.linear(hidden, self.model.lm_head)
+        logits = logits_of(self.model, k, *forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches))
         temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
         sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
         k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
