@@ -165,7 +165,7 @@ def rows_in_child(args, method: str) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, *child_argv(args), "--methods", method, "--rows-to", f.name],
                        check=True)
-        return json.load(open(f.name))
+        return json.load(f)
 
 
 def main(argv=None):
@@ -193,19 +193,18 @@ def main(argv=None):
                                      for a, b in zip(r["outputs"], base["outputs"])]
     for r in rows:
         del r["outputs"]
-    results = rows
     table = Table(title=f"speculative decoding, batch 1 · {rows[0]['machine']} · {rows[0]['model']}")
     for col in ("prompts", "method", "decode tok/s", "× none", "verify steps", "accept rate", "mean accept len",
                 "lossless"):
         table.add_column(col)
-    for r in results:
+    for r in rows:
         table.add_row(r["prompts"], r["method"], f"{r['decode_tok_s']:.1f}", f"{r['speedup_vs_none'] or 0:.2f}",
                       str(r["drafts"]), f"{r['acceptance_rate']:.2f}", f"{r['mean_acceptance_length']:.2f}",
                       str(r["same_output_as_none"]))
     Console(width=150).print(table)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -100,11 +100,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
 # q/k norm + rope + KV-cache write
 
 
+# What normalizing and rotating a head reads besides the head itself ([1, D] each). None of it is written by the
+# step's kernels, so a kernel may read it before its producer wait.
 @triton.jit
-def _rope_constants(w_ptr, pos_cs, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """What normalizing and rotating a head at one position reads besides the head itself: the norm weight, the
-    same with halves swapped, cos and sin ([1, D] each; pos_cs points at the position's (cos, sin) row). None of
-    it is written by the step's kernels, so a kernel may read it before its producer wait."""
+def _head_norm_weight(w_ptr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The per-head norm weight and the same with halves swapped (ones without a norm)."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, D)[None, :]
     if HAS_NORM:
@@ -113,14 +113,22 @@ def _rope_constants(w_ptr, pos_cs, D: tl.constexpr, HAS_NORM: tl.constexpr):
     else:
         w = tl.full([1, D], 1.0, tl.float32)
         w_swapped = w
-    return w, w_swapped, tl.load(pos_cs + d % HALF), tl.load(pos_cs + HALF + d % HALF)
+    return w, w_swapped
+
+
+@triton.jit
+def _cos_sin(pos_cs, D: tl.constexpr):
+    """cos and sin of one position (pos_cs points at its row of the table)."""
+    HALF: tl.constexpr = D // 2
+    d = tl.arange(0, D)[None, :]
+    return tl.load(pos_cs + d % HALF), tl.load(pos_cs + HALF + d % HALF)
 
 
 @triton.jit
 def _apply_norm_rope(src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HAS_NORM: tl.constexpr,
                      dtype: tl.constexpr):
     """Heads [rows, D] at src + d (src [rows, 1] pointers), optionally rmsnormed per head, rotated neox-style:
-    element d pairs with the one half a head away. The rest comes from _rope_constants."""
+    element d pairs with the one half a head away. w .. sin: _head_norm_weight and _cos_sin."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, D)[None, :]
     x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
@@ -137,7 +145,7 @@ def _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_
                   KVH: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
                   dtype: tl.constexpr):
     """Rotated keys and the values of kv heads kvh .. kvh + BLOCK_KV (< KVH) of one qkv row, into cache slot;
-    returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _rope_constants."""
+    returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _head_norm_weight and _cos_sin."""
     h = kvh + tl.arange(0, BLOCK_KV)[:, None]
     d = tl.arange(0, D)[None, :]
     m = h < KVH
@@ -161,12 +169,13 @@ def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_
     pos_cs = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * D
     row = qkv_ptr + t * stride_qkv
     h = tl.arange(0, BLOCK_H)[:, None]
-    qw, qw_swapped, cos, sin = _rope_constants(qn_ptr, pos_cs, D, HAS_NORM)
+    qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
+    cos, sin = _cos_sin(pos_cs, D)
     q = _apply_norm_rope(row + h * D, qw, qw_swapped, cos, sin, eps, h < H, D, HAS_NORM, dtype)
     tl.store(q_out_ptr + t * H * D + h * D + tl.arange(0, D)[None, :], q, mask=h < H)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        kw, kw_swapped, _, _ = _rope_constants(kn_ptr, pos_cs, D, HAS_NORM)
+        kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
         _store_new_kv(row, kw, kw_swapped, cos, sin, eps, slot, 0, k_cache, v_cache, H, KVH, D, BLOCK_KV, HAS_NORM,
                       dtype)
 
@@ -313,8 +322,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         pos = tl.load(pos_ptr + seq)
         slot = tl.load(slot_ptr + seq)
         pos_cs = cos_sin_ptr + pos.to(tl.int64) * D
-        qw, qw_swapped, cos, sin = _rope_constants(qn_ptr, pos_cs, D, HAS_NORM)
-        kw, kw_swapped, _, _ = _rope_constants(kn_ptr, pos_cs, D, HAS_NORM)
+        qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
+        kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
+        cos, sin = _cos_sin(pos_cs, D)
     _after_producer(PDL)
     r = tl.arange(0, BLOCK_M)
     head = kvh * GROUP + r % GROUP
@@ -334,10 +344,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
             pos_j = tl.load(pos_ptr + j)
             slot_j = tl.load(slot_ptr + j)
             if (pos_j >= lo) & (pos_j < hi) & (slot_j >= 0):
-                pos_cs_j = cos_sin_ptr + pos_j.to(tl.int64) * D
-                kw_j, kw_swapped_j, cos_j, sin_j = _rope_constants(kn_ptr, pos_cs_j, D, HAS_NORM)
-                new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kw_j, kw_swapped_j, cos_j, sin_j, eps, slot_j,
-                                             kvh, k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype)
+                cos_j, sin_j = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
+                new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kw, kw_swapped, cos_j, sin_j, eps, slot_j, kvh,
+                                             k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype)
                 k0 = tl.where((n0 == pos_j)[:, None], new_k.to(dtype), k0)
                 v0 = tl.where((n0 == pos_j)[:, None], new_v.to(dtype), v0)
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
