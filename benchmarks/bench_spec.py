@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--spec-tokens", type=int, default=4)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="decode --gen-len tokens past the end of the answer (default: stop where the model ends its "
+                        "turn, as a user's request does; past it a chat model writes new text, not a copy)")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared VM)")
     p.add_argument("--json", dest="json_path", help="write the result list here")
     p.add_argument("--in-process", action="store_true", help="every method in this process, one after another")
@@ -100,10 +103,10 @@ def prompt_sets(llm: LLM, random_weights: bool) -> dict[str, list[list[int]]]:
     return {"copy-heavy": [p + p[:8] for p in passages], "free-form": [p[:104] for p in passages[::-1]]}
 
 
-def decode_run(llm: LLM, prompt: list[int], gen_len: int) -> tuple[float, int, list[int]]:
+def decode_run(llm: LLM, prompt: list[int], gen_len: int, ignore_eos: bool) -> tuple[float, int, list[int]]:
     """(decode seconds after the first token, decoded tokens after the first, output ids) for one request."""
     engine = llm.engine
-    seq = engine.add_request(prompt, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=gen_len, ignore_eos=ignore_eos))
     first = None
     while seq.finish_reason is None:
         engine.step()
@@ -119,16 +122,16 @@ def bench_method(args, loaded, method: str) -> list[dict]:
     common = {
         "machine": machine_name(llm.engine.model.device), "backend": llm.info.backend,
         "model": args.shape or llm.info.model, "precision": llm.engine.precision.name,
-        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "batch_size": 1,
+        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "ignore_eos": args.ignore_eos, "batch_size": 1,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),
     }
-    decode_run(llm, next(iter(prompts.values()))[0], 8)  # warm-up
+    decode_run(llm, next(iter(prompts.values()))[0], 8, True)  # warm-up
     rows = []
     for kind, kind_prompts in prompts.items():
         before = llm.engine.spec_stats()
         seconds, tokens, outputs = 0.0, 0, []
         for prompt in kind_prompts:
-            runs = [decode_run(llm, prompt, args.gen_len) for _ in range(args.repeats)]
+            runs = [decode_run(llm, prompt, args.gen_len, args.ignore_eos) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r[0])
             seconds, tokens = seconds + best[0], tokens + best[1]
             # The first run's tokens: later repeats find the prompt in the prefix cache, and a 16-bit prefill of
@@ -154,7 +157,7 @@ def bench_method(args, loaded, method: str) -> list[dict]:
 def child_argv(args) -> list[str]:
     """The options a child process needs to bench one method as this run would."""
     argv = ["--backend", args.backend, "--spec-tokens", str(args.spec_tokens), "--gen-len", str(args.gen_len),
-            "--repeats", str(args.repeats)]
+            "--repeats", str(args.repeats)] + (["--ignore-eos"] if args.ignore_eos else [])
     for name in ("model", "shape", "precision", "profile", "threads"):
         if getattr(args, name) is not None:
             argv += [f"--{name}", str(getattr(args, name))]

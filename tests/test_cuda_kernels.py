@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton", reason="triton is a test dependency (pip 
 
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
 from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
+import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -323,11 +324,14 @@ def test_fp8_scaled_mm_linear_close_to_reference():
     assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 2e-3
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["own-programs", "shared-tile"])
 @pytest.mark.parametrize("kind,k,rows", [("bf16", 128, 6), ("fp8", 128, 6), ("int4", 128, 6), ("bf16", 576, 3),
                                          ("bf16", 576, 5), ("bf16", 1536, 8), ("int4", 576, 5)])
-def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows):
+def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypatch):
     """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
-    and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536)."""
+    and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536), whether
+    the rows get programs of their own (small weights) or share each program's weight tile (large ones)."""
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: small)
     w = torch.randn(2 * 24, k) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind]
     w = w.to(DEV)

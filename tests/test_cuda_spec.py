@@ -56,7 +56,7 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
                          torch.float32)
     runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
-    assert runner.spec_rows == 4 and runner.lookahead_tokens == max(2 * MAX_DECODE_STEPS, SPEC_CHUNK_STEPS * 4)
+    assert runner.spec_rows == 4 and runner.lookahead_tokens == max(2 * MAX_DECODE_STEPS, 2 * SPEC_CHUNK_STEPS * 4)
     [seq] = _prefilled(runner, [prompt])
     seq.params = SamplingParams(max_tokens=20, ignore_eos=True)
     seq.block_table = list(range(16))  # room for the whole look-ahead
@@ -108,6 +108,44 @@ def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
     seq.params.max_tokens = 4
     assert runner._chunk_steps(batch) == 4  # no more tokens than the request wants
     assert runner._chunk_steps(batch, done=4) == 0
+
+
+def test_spec_chunks_take_the_steps_the_wanted_tokens_need_at_the_recent_yield(tiny_random):
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    seqs = [Sequence(list(range(6)), SamplingParams(max_tokens=n)) for n in (100, 10)]
+    batch = [ScheduledSeq(s, 1, 1) for s in seqs]
+    assert runner._spec_steps(batch) == SPEC_CHUNK_STEPS  # nothing measured: one token a step, a whole chunk
+    runner.spec_step_yield = 3.5
+    seqs[0].params.max_tokens = 20
+    assert runner._spec_steps(batch) == 6  # ceil(20 / 3.5): the sequence wanting the most
+    assert runner._spec_steps(batch, ahead=6 * 3.5) == 0  # the chunk before should end it: queue nothing
+    seqs[0].token_ids += [1] * 19  # 19 of its 20 tokens out
+    assert runner._spec_steps(batch) == 3  # the other one still wants 10
+
+
+def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, monkeypatch):
+    """The kind chooser may switch kinds mid-request: the second graph must not be captured then (seconds)."""
+    captured = []
+
+    def capture(self, key, body, query_rows):
+        captured.append(key)
+        self.graphs[key] = object()
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
+    seq.block_table, seq.num_computed = list(range(4)), 5
+    runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
+    assert captured == [(1, True, "decode"), (1, True, "spec")]
+    runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
+    assert len(captured) == 2  # once
+    seq.spec_enabled = False  # a request that opted out: decode graphs only
+    runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 2, True)
+    assert captured[2:] == [(2, True, "decode")]
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
@@ -247,17 +285,26 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
 
 
 @pytest.mark.slow
-def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu):
-    """The whole CUDA speculative path through the engine (device chunks, the engine's block reserve, look-ahead
-    consumption, chunk limits at max_tokens, the kind chooser) gives --spec none's tokens for a batch. Small: the
-    interpreter takes about a second a step."""
+def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu, monkeypatch):
+    """The whole CUDA speculative path through the engine (device chunks, the chunk queued behind the one read,
+    the engine's block reserve, look-ahead consumption, chunk limits at max_tokens, the kind chooser) gives
+    --spec none's tokens for a batch. Small: the interpreter takes about a second a step."""
+    import flashnext.plugins.cuda.runner as runner_module
+
+    served = []
+    continue_in_flight = CudaGraphRunner._continue_in_flight
+    monkeypatch.setattr(CudaGraphRunner, "_continue_in_flight",
+                        lambda self, batch: served.append(self._in_flight[0]) or continue_in_flight(self, batch))
     motifs = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [(m * 5)[: 30 + 4 * i] for i, m in enumerate(motifs)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [s.output_ids for s in cuda_engine_on_cpu(spec="none").generate(prompts, params)]
+    monkeypatch.setattr(runner_module, "SPEC_CHUNK_STEPS", 2)  # short chunks: several per request, queued ahead
     spec = cuda_engine_on_cpu(spec="ngram", spec_tokens=4)
+    served.clear()
     assert [s.output_ids for s in spec.generate(prompts, params)] == want
     assert spec.spec_stats()["drafts"] > 0 and spec.spec_stats()["accepted"] > 0
+    assert "spec" in served  # tokens came from spec chunks queued behind the one read
 
 
 @pytest.mark.slow

@@ -692,10 +692,10 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
 
 @triton.jit
 def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, hist_stride,
-                        K: tl.constexpr, Q_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
     accepted drafts and the token after them) extend the history. stats[j]: steps, drafted, accepted, then the
-    accepted count at each draft position."""
+    accepted count at each draft position. CHUNKS > 0: sampled_ptr holds argmax_keys' keys (a greedy step)."""
     _after_producer(PDL)
     j = tl.program_id(0)
     n_draft = tl.load(n_draft_ptr + j)
@@ -703,7 +703,13 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
         ntok = tl.load(ntok_ptr + j)
         cap = tl.load(cap_ptr + j)
         r = tl.arange(0, Q_BLOCK)
-        sampled = tl.load(sampled_ptr + j * (K + 1) + r, mask=r <= K, other=0)
+        if CHUNKS > 0:
+            c = tl.arange(0, CHUNKS)
+            keys = tl.load(sampled_ptr + (j * (K + 1) + r[:, None]) * CHUNKS + c[None, :], mask=(r <= K)[:, None],
+                           other=0)
+            sampled = 2147483647 - (tl.max(keys, axis=1) & 2147483647)
+        else:
+            sampled = tl.load(sampled_ptr + j * (K + 1) + r, mask=r <= K, other=0)
         draft = tl.load(ids_ptr + j * (K + 1) + r + 1, mask=r < K, other=0)
         miss = (r >= n_draft) | (draft != sampled)
         n_acc = tl.min(tl.where(miss, r, Q_BLOCK), axis=0)
@@ -730,15 +736,26 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv_config(n_out: int, k: int) -> tuple[int, int]:
-    """(rows of W per program, warps): four rows and four warps gave the fastest batch-1 decode step on an H200
-    (programmatic dependent launch on; the sweep in docs/benchmarks.md). Alone, a merged gate/up is faster with
-    16 and 8 (4.9 vs 5.4 us in bf16, 3.9 vs 4.9 in int4), but not measurably within the whole step."""
-    return 4, 4
+    """(rows of W per program, warps). Four rows and four warps gave the fastest batch-1 decode step on an H200 for
+    the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md); small weights (the
+    SmolLM2-135M layers) run faster with eight rows, in decode and verify steps alike (349 vs 377 us a decode step,
+    693 vs 726 a K = 4 verify step). A function of the weight's shape alone, so that decode and verify rows of
+    one layer round alike."""
+    return (8, 4) if _small_weight(n_out, k) else (4, 4)
 
 
-def gemv_row_block(rows: int, k: int) -> int:
+def _small_weight(n_out: int, k: int) -> bool:
+    """Under 2^21 elements (4 MiB in 16 bits): the layers of SmolLM2-135M are, those of Qwen3-0.6B are not."""
+    return n_out * k < 1 << 21
+
+
+def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     """Rows of x one GEMV program applies its W tile to, unrolled: more rows share a tile, fewer when the row is
-    long (registers)."""
+    long (registers). A small weight gives each row programs of its own: L2 serves the re-reads and the rows run
+    in parallel (a SmolLM2 K = 4 verify step: 726 vs 837 us; Qwen3's larger layers are faster shared: 1,693 vs
+    1,769)."""
+    if _small_weight(n_out, k):
+        return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
 
 
@@ -982,7 +999,7 @@ class CudaKernels(ReferenceKernels):
         res_out = torch.empty_like(x) if has_res else x
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k)
         kind, data, scales, offsets, group = self._weight_kind(w)
-        row_block = gemv_row_block(rows, k)
+        row_block = gemv_row_block(rows, w.shape[0], k)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
             rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
@@ -1009,8 +1026,10 @@ class CudaKernels(ReferenceKernels):
             SCAN=1024, **self._pdl)
 
     def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, k: int) -> None:
+        """sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step."""
         _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0), K=k,
-                                              Q_BLOCK=_pow2(k + 1), **self._pdl)
+                                              Q_BLOCK=_pow2(k + 1), CHUNKS=sampled.shape[1] if sampled.dim() == 2 else 0,
+                                              **self._pdl)
 
     def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
         """[rows, chunks] packed (logit, index) maxima of chunks of each row; decode_advance finishes the argmax."""

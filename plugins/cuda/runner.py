@@ -16,11 +16,14 @@ nothing): a "spec chunk" replays up to SPEC_CHUNK_STEPS verify steps in one roun
 sequence's own history (the prompt lookup of NgramDrafter, in Triton), runs K + 1 query rows per sequence (each
 attending as a decode row of its own, so the numbers are decode's), samples every row, accepts the drafts up to the
 first that differs from the target's sample and appends the samples to the history. What comes back is a
-look-ahead like decode's: the tokens plain decoding gives, only sooner. Spec chunks or plain decode chunks,
+look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters stay on the
+device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec chunks or
+plain decode chunks,
 whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs eagerly. Prefill,
 mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,19 +97,21 @@ class CudaGraphRunner(ModelRunner):
         self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
         self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
-        self._in_flight: tuple[torch.cuda.CUDAGraph, int] | None = None  # the decode chunk queued after _ahead's
+        # The chunk queued after _ahead's: ("decode", (graph, steps)) or ("spec", (graph key, steps)).
+        self._in_flight: tuple[str, tuple] | None = None
         self._spec_next = False  # the kind chooser, asked while queueing, wants a spec chunk for the next round
         self.use_graphs = self.use_graphs and bool(self.buckets)
         # Spec chunks for batches up to spec_max_batch (row-invariant buckets, so their tokens are decode's).
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
-        # Two decode chunks (the one read and the one in flight), or a spec chunk's worst case.
-        spec_ahead = SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
+        # Two chunks ahead (the one read and the one in flight), decode or spec at their most.
+        spec_ahead = 2 * SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
         self.drafts_itself = bool(self.spec_rows)
         self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
+        self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
         self.spec_totals = np.zeros(3 + profile.spec_tokens, dtype=np.int64)  # steps, drafted, accepted, per position
         if self.use_graphs:
             self._init_static(max(self.buckets))
@@ -174,11 +179,9 @@ class CudaGraphRunner(ModelRunner):
         steps = self._chunk_steps(batch)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
+        self._ensure_graphs(batch, bucket, greedy)
         self._fill_inputs(batch, bucket)
-        graph = self.graphs.get((bucket, greedy, "decode"))
-        if graph is None:
-            graph = self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
-            self._fill_inputs(batch, bucket)
+        graph = self.graphs[(bucket, greedy, "decode")]
         self._replay_decode(graph, steps)
         return self._read_chunk(batch, graph, steps)
 
@@ -197,7 +200,7 @@ class CudaGraphRunner(ModelRunner):
             following = self._chunk_steps(batch, done=steps)
             if following > 0 and self.spec_rows and self._spec_chunk_wanted(batch):  # each chunk is a round
                 self._spec_next, following = True, 0
-            self._in_flight = (graph, following) if following > 0 else None
+            self._in_flight = ("decode", (graph, following)) if following > 0 else None
             if self._in_flight:
                 # The engine grew the tables since the last upload. (Should the copy for the chunk before still
                 # be pending, it reads these longer tables: the same blocks, more of them.)
@@ -208,13 +211,17 @@ class CudaGraphRunner(ModelRunner):
         self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], list(tokens.T))
         return torch.from_numpy(tokens[0])
 
-    def _continue_in_flight(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def _continue_in_flight(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """The look-ahead is spent and the chunk queued behind it holds the next tokens: it becomes the look-ahead
         (a round of its own for the kind chooser) and the chunk after it is queued."""
-        graph, steps = self._in_flight
+        kind, queued = self._in_flight
         self._in_flight = None
         self._close_round()
-        self._round = ("decode", time.perf_counter(), self.graph_captures)
+        self._round = (kind, time.perf_counter(), self.graph_captures)
+        if kind == "spec":
+            key, steps = queued
+            return self._read_spec(batch, key, steps, [i.seq.num_computed + 1 for i in batch])
+        graph, steps = queued
         return self._read_chunk(batch, graph, steps)
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -278,6 +285,17 @@ class CudaGraphRunner(ModelRunner):
         self.dev_tables[: len(batch)].copy_(self.host_tables[: len(batch)], non_blocking=True)
 
     # --- capture -------------------------------------------------------------------------------------------
+    def _ensure_graphs(self, batch: list[ScheduledSeq], bucket: int, greedy: bool) -> None:
+        """The bucket's decode graph, and its verify graph where speculation may run, captured together: the kind
+        chooser switches kinds mid-request, and a capture then would stall that request for seconds. (The
+        captures' warm-ups step the buffers: callers fill their inputs afterwards.)"""
+        if (bucket, greedy, "decode") not in self.graphs:
+            self._fill_inputs(batch, bucket)
+            self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
+        if self._spec_possible(batch) and (bucket, greedy, "spec") not in self.graphs:
+            self._fill_spec(batch, bucket)
+            self._capture((bucket, greedy, "spec"), lambda: self._spec_body(bucket, greedy), self.verify_len)
+
     def _splits(self, bucket: int) -> int:
         """KV splits so that a small decode batch still gives the GPU a few hundred attention programs."""
         programs = bucket * self.model.config.num_kv_heads
@@ -390,23 +408,64 @@ class CudaGraphRunner(ModelRunner):
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         key = (bucket, greedy, "spec")
+        self._ensure_graphs(batch, bucket, greedy)
         starts = self._fill_spec(batch, bucket)
-        if key not in self.graphs:
-            self._capture(key, lambda: self._spec_body(bucket, greedy), self.verify_len)
-            starts = self._fill_spec(batch, bucket)  # the capture's warm-up stepped the state
+        steps = self._spec_steps(batch)
+        self._replay_spec(key, steps)
+        return self._read_spec(batch, key, steps, starts)
+
+    def _spec_steps(self, batch: list[ScheduledSeq], ahead: float = 0.0) -> int:
+        """Verify steps for a spec chunk: as many as the sequence wanting the most tokens needs at the recent yield
+        per step, beyond `ahead` tokens the chunk before it should give (a step past every sequence's end costs a
+        whole step all the same); at most SPEC_CHUNK_STEPS, 0 when nothing is left to want."""
+        wanted = max(i.seq.params.max_tokens - (len(i.seq) - i.seq.num_prompt) for i in batch) - ahead
+        return min(SPEC_CHUNK_STEPS, max(0, math.ceil(wanted / self.spec_step_yield)))
+
+    def _replay_spec(self, key: tuple[int, bool, str], steps: int) -> None:
         graph = self.graphs[key]
-        for _ in range(SPEC_CHUNK_STEPS):
+        for _ in range(steps):
             graph.replay()
-        self.graph_replays += SPEC_CHUNK_STEPS
-        end = min(max(starts) + SPEC_CHUNK_STEPS * self.verify_len, self.host_hist.shape[1])
+        self.graph_replays += steps
+
+    def _read_spec(self, batch: list[ScheduledSeq], key: tuple[int, bool, str], steps: int,
+                   starts: list[int]) -> torch.Tensor | None:
+        """The replayed spec chunk's tokens (history from `starts` on) become the look-ahead; the next spec chunk is
+        queued behind their copy when the chooser wants one (it continues from the device's history)."""
+        bucket = key[0]
+        end = min(max(starts) + steps * self.verify_len, self.host_hist.shape[1])
         self.host_spec[0, :bucket].copy_(self.dev_spec[0, :bucket], non_blocking=True)
         self.host_spec_stats[:bucket].copy_(self.dev_spec_stats[:bucket], non_blocking=True)
-        hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end])
+
+        def queue_next():
+            following = self._spec_steps(batch, ahead=steps * self.spec_step_yield)
+            if following and self._spec_chunk_wanted(batch):
+                self.dev_spec_stats[:bucket].zero_()  # each chunk's counters are read once
+                self._grant_slots(batch)
+                self._replay_spec(key, following)
+                self._in_flight = ("spec", (key, following))
+
+        hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end], meanwhile=queue_next)
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
         self.spec_totals += stats
+        if stats[0]:  # verify steps taken, and the tokens they gave: one each plus the accepted drafts
+            step_yield = (stats[0] + stats[2]) / stats[0]
+            self.spec_step_yield += RATE_SMOOTHING * (step_yield - self.spec_step_yield)
         tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
-        self._ahead = _Lookahead([i.seq for i in batch], [i.seq.num_computed for i in batch], tokens)
+        if not all(len(t) for t in tokens):  # a sequence out of slots or tokens: the host takes over
+            self._in_flight = None
+            return None
+        self._ahead = _Lookahead([i.seq for i in batch], [start - 1 for start in starts], tokens)
         return self._from_lookahead(batch)
+
+    def _grant_slots(self, batch: list[ScheduledSeq]) -> None:
+        """The last position each sequence's chunks may write: the engine keeps lookahead_tokens slots allocated
+        past the tokens it has taken, two spec chunks' worth."""
+        max_pos = self.host_spec.numpy()[2]
+        for j, item in enumerate(batch):
+            seq = item.seq
+            max_pos[j] = min(len(seq.block_table) * self.block_size, seq.num_computed + 1 + self.lookahead_tokens) - 1
+        self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
+        self._upload_tables(batch)
 
     def _fill_spec(self, batch: list[ScheduledSeq], bucket: int) -> list[int]:
         """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
@@ -458,7 +517,10 @@ class CudaGraphRunner(ModelRunner):
         )
         logits = logits_of(self.model, k, *forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches))
         temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
-        sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=greedy))
+        if greedy:  # the argmax's second half rides in spec_accept
+            sampled = k.argmax_keys(logits)
+        else:
+            sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
         k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
 
     def spec_stats(self) -> dict | None:
