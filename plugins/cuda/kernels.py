@@ -735,13 +735,13 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int]:
     return (32 if n >= 4096 else 16), block_k, 4
 
 
-def gemv_config(n_out: int, k: int) -> tuple[int, int]:
+def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     """(rows of W per program, warps). Four rows and four warps gave the fastest batch-1 decode step on an H200 for
-    the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md); small weights (the
-    SmolLM2-135M layers) run faster with eight rows, in decode and verify steps alike (349 vs 377 us a decode step,
-    693 vs 726 a K = 4 verify step). A function of the weight's shape alone, so that decode and verify rows of
-    one layer round alike."""
-    return (8, 4) if _small_weight(n_out, k) else (4, 4)
+    the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md). Small 16-bit and int4
+    weights (the SmolLM2-135M layers) run faster with eight rows, in decode and verify steps alike (SmolLM2 shape,
+    batch-1 decode step: bf16 358 vs 386 us, int4 421 vs 440; K = 4 verify 693 vs 726); small fp8 ones do not (364
+    vs 340). A function of the weight alone, so that decode and verify rows of one layer round alike."""
+    return (8, 4) if _small_weight(n_out, k) and kind != FP8 else (4, 4)
 
 
 def _small_weight(n_out: int, k: int) -> bool:
@@ -997,8 +997,8 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
         has_res = residual is not None
         res_out = torch.empty_like(x) if has_res else x
-        block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k)
         kind, data, scales, offsets, group = self._weight_kind(w)
+        block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k, kind)
         row_block = gemv_row_block(rows, w.shape[0], k)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
