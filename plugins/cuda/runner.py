@@ -18,8 +18,7 @@ attending as a decode row of its own, so the numbers are decode's), samples ever
 first that differs from the target's sample and appends the samples to the history. What comes back is a
 look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters stay on the
 device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec chunks or
-plain decode chunks,
-whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs eagerly. Prefill,
+plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs eagerly. Prefill,
 mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
@@ -452,20 +451,24 @@ class CudaGraphRunner(ModelRunner):
             self.spec_step_yield += RATE_SMOOTHING * (step_yield - self.spec_step_yield)
         tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
         if not all(len(t) for t in tokens):  # a sequence out of slots or tokens: the host takes over
-            self._in_flight = None
+            self._in_flight, self._ahead, self._round = None, None, None
             return None
         self._ahead = _Lookahead([i.seq for i in batch], [start - 1 for start in starts], tokens)
         return self._from_lookahead(batch)
 
     def _grant_slots(self, batch: list[ScheduledSeq]) -> None:
-        """The last position each sequence's chunks may write: the engine keeps lookahead_tokens slots allocated
-        past the tokens it has taken, two spec chunks' worth."""
+        """Each sequence's last writable position and block table as the engine has grown them since the chunk
+        before was queued."""
         max_pos = self.host_spec.numpy()[2]
         for j, item in enumerate(batch):
-            seq = item.seq
-            max_pos[j] = min(len(seq.block_table) * self.block_size, seq.num_computed + 1 + self.lookahead_tokens) - 1
+            max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
         self._upload_tables(batch)
+
+    def _last_writable(self, seq: Sequence) -> int:
+        """The last position a spec chunk may write for seq: the engine keeps lookahead_tokens slots (two chunks'
+        worth) allocated past the tokens it has taken, from free blocks only."""
+        return min(len(seq.block_table) * self.block_size, seq.num_computed + 1 + self.lookahead_tokens) - 1
 
     def _fill_spec(self, batch: list[ScheduledSeq], bucket: int) -> list[int]:
         """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
@@ -483,8 +486,7 @@ class CudaGraphRunner(ModelRunner):
             n = seq.num_computed + 1  # the last known token is not in the KV cache yet
             hist[j, :n] = seq.token_ids[:n]
             wanted = seq.params.max_tokens - (n - seq.num_prompt)
-            owned = min(len(seq.block_table) * self.block_size, n + self.lookahead_tokens)
-            state[:, j] = (n, min(n + wanted, max_len), owned - 1, seq.seed)
+            state[:, j] = (n, min(n + wanted, max_len), self._last_writable(seq), seq.seed)
             rows = slice(j * q, (j + 1) * q)
             ints[4, rows] = seq.params.top_k
             floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
