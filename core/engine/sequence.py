@@ -69,6 +69,11 @@ class Sequence:
         return self.token_ids[self.num_prompt :]
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens max_tokens still allows."""
+        return self.params.max_tokens - (len(self.token_ids) - self.num_prompt)
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 

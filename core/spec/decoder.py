@@ -102,7 +102,7 @@ class SpecDecoder:
     def _drafts_wanted(self, seq: Sequence) -> int:
         k = self.tracker(seq).drafts_wanted()
         # A verify step adds up to k + 1 tokens: stay within max_tokens and the context.
-        k = min(k, seq.params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - len(seq) - 1)
+        k = min(k, seq.tokens_left - 1, self.max_model_len - len(seq) - 1)
         # The verify step's slots come from free blocks, taken now: drafts never preempt anyone to make room.
         if k <= 0 or not self.blocks.can_grow(seq, len(seq) + k):
             return 0

@@ -576,6 +576,12 @@ def _argmax_key(value, index):
 
 
 @triton.jit
+def _argmax_token(keys):
+    """The token of the best of argmax_keys' keys along axis 1 (the index _argmax_key packed)."""
+    return 2147483647 - (tl.max(keys, axis=1) & 2147483647)
+
+
+@triton.jit
 def _argmax_chunks_kernel(x_ptr, keys_ptr, N, CHUNK, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """First half of a greedy step's argmax: the best key of each chunk of each row (decode_advance takes the
     rest). Many programs where torch's argmax gives a vocabulary-sized row to one."""
@@ -612,8 +618,7 @@ def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, o
     step = tl.load(step_ptr)
     if CHUNKS > 0:
         c = tl.arange(0, CHUNKS)
-        keys = tl.load(tok_ptr + r[:, None] * CHUNKS + c[None, :], mask=m[:, None], other=0)
-        tok = 2147483647 - (tl.max(keys, axis=1) & 2147483647)
+        tok = _argmax_token(tl.load(tok_ptr + r[:, None] * CHUNKS + c[None, :], mask=m[:, None], other=0))
     else:
         tok = tl.load(tok_ptr + r, mask=m)
     tl.store(out_ptr + step * out_stride + r, tok, mask=m)
@@ -705,9 +710,8 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
         r = tl.arange(0, Q_BLOCK)
         if CHUNKS > 0:
             c = tl.arange(0, CHUNKS)
-            keys = tl.load(sampled_ptr + (j * (K + 1) + r[:, None]) * CHUNKS + c[None, :], mask=(r <= K)[:, None],
-                           other=0)
-            sampled = 2147483647 - (tl.max(keys, axis=1) & 2147483647)
+            sampled = _argmax_token(tl.load(sampled_ptr + (j * (K + 1) + r[:, None]) * CHUNKS + c[None, :],
+                                            mask=(r <= K)[:, None], other=0))
         else:
             sampled = tl.load(sampled_ptr + j * (K + 1) + r, mask=r <= K, other=0)
         draft = tl.load(ids_ptr + j * (K + 1) + r + 1, mask=r < K, other=0)
@@ -757,6 +761,11 @@ def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     if _small_weight(n_out, k):
         return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
+
+
+def _key_chunks(sampled: torch.Tensor) -> int:
+    """The chunk count of argmax_keys' [rows, chunks] keys; 0 for [rows] sampled tokens."""
+    return sampled.shape[1] if sampled.dim() == 2 else 0
 
 
 class CudaKernels(ReferenceKernels):
@@ -1028,8 +1037,7 @@ class CudaKernels(ReferenceKernels):
     def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, k: int) -> None:
         """sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step."""
         _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0), K=k,
-                                              Q_BLOCK=_pow2(k + 1), CHUNKS=sampled.shape[1] if sampled.dim() == 2 else 0,
-                                              **self._pdl)
+                                              Q_BLOCK=_pow2(k + 1), CHUNKS=_key_chunks(sampled), **self._pdl)
 
     def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
         """[rows, chunks] packed (logit, index) maxima of chunks of each row; decode_advance finishes the argmax."""
@@ -1046,5 +1054,4 @@ class CudaKernels(ReferenceKernels):
         """tokens: [rows] sampled tokens, or argmax_keys' [rows, chunks] keys of a greedy step."""
         rows = tokens.shape[0]
         _decode_advance_kernel[(1,)](tokens, ids, positions, out_tokens, step_index, rows, out_tokens.stride(0),
-                                     BLOCK=_pow2(rows), CHUNKS=tokens.shape[1] if tokens.dim() == 2 else 0,
-                                     **self._pdl)
+                                     BLOCK=_pow2(rows), CHUNKS=_key_chunks(tokens), **self._pdl)

@@ -18,8 +18,8 @@ attending as a decode row of its own, so the numbers are decode's), samples ever
 first that differs from the target's sample and appends the samples to the history. What comes back is a
 look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters stay on the
 device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec chunks or
-plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs eagerly. Prefill,
-mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
+plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs
+eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
 import math
@@ -251,7 +251,7 @@ class CudaGraphRunner(ModelRunner):
         for item in batch:
             seq = item.seq
             room = len(seq.block_table) * self.block_size - seq.num_computed - done
-            wanted = seq.params.max_tokens - (len(seq) - seq.num_prompt) - done
+            wanted = seq.tokens_left - done
             steps = min(steps, room, wanted)
         return steps if done else max(steps, 1)
 
@@ -417,7 +417,7 @@ class CudaGraphRunner(ModelRunner):
         """Verify steps for a spec chunk: as many as the sequence wanting the most tokens needs at the recent yield
         per step, beyond `ahead` tokens the chunk before it should give (a step past every sequence's end costs a
         whole step all the same); at most SPEC_CHUNK_STEPS, 0 when nothing is left to want."""
-        wanted = max(i.seq.params.max_tokens - (len(i.seq) - i.seq.num_prompt) for i in batch) - ahead
+        wanted = max(i.seq.tokens_left for i in batch) - ahead
         return min(SPEC_CHUNK_STEPS, max(0, math.ceil(wanted / self.spec_step_yield)))
 
     def _replay_spec(self, key: tuple[int, bool, str], steps: int) -> None:
@@ -485,8 +485,7 @@ class CudaGraphRunner(ModelRunner):
             seq = item.seq
             n = seq.num_computed + 1  # the last known token is not in the KV cache yet
             hist[j, :n] = seq.token_ids[:n]
-            wanted = seq.params.max_tokens - (n - seq.num_prompt)
-            state[:, j] = (n, min(n + wanted, max_len), self._last_writable(seq), seq.seed)
+            state[:, j] = (n, min(n + seq.tokens_left, max_len), self._last_writable(seq), seq.seed)
             rows = slice(j * q, (j + 1) * q)
             ints[4, rows] = seq.params.top_k
             floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
