@@ -346,3 +346,12 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypat
     kernels.gemv_wide = True
     assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], kernels.linear(x, wide)[i]) for i in range(rows))
 
+
+
+def test_gemv_row_pieces_follow_the_weight():
+    """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +
+    512); large ones, powers of two and int4 rests smaller than a group keep one padded piece."""
+    pieces = kernels_module.gemv_k_pieces
+    assert pieces(960, 576, 1) == (512, 64) and pieces(1152, 1536, 32) == (1024, 512)
+    assert pieces(4096, 1024, 1) == (1024, 0) and pieces(1024, 3072, 1) == (4096, 0)  # Qwen3: 2^21 elements and up
+    assert pieces(960, 576, 128) == (1024, 0) and pieces(64, 256, 1) == (256, 0)

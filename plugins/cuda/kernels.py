@@ -199,28 +199,26 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_k, stride_
 
 
 @triton.jit
-def _load_cache(ptr, mask, dtype, E5M2_BITS: tl.constexpr):
-    """A cache tile in `dtype`. E5M2_BITS: the cache is fp8-e5m2 viewed as bytes, and an e5m2 byte is the high
-    byte of the fp16 of the same value, so one shift widens it exactly (no conversion instructions)."""
-    if E5M2_BITS:
-        tile = (tl.load(ptr, mask=mask, other=0).to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(dtype)
-    else:
-        tile = tl.load(ptr, mask=mask, other=0.0).to(dtype)
-    return tile
+def _as_dot_operand(q, k_cache):
+    """q in the dtype attention's dots run in: an fp8-e5m2 cache widens exactly to fp16, so 16-bit activations
+    meet it there (fp32 stays fp32)."""
+    if k_cache.dtype.element_ty == tl.float8e5:
+        if q.dtype != tl.float32:
+            q = q.to(tl.float16)
+    return q
 
 
 @triton.jit
 def _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH: tl.constexpr, D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, dtype: tl.constexpr,
-             E5M2_BITS: tl.constexpr):
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, dtype: tl.constexpr):
     """Cached keys and values of positions start .. start + BLOCK_N (< hi) through the block table: (k, v, n)."""
     d = tl.arange(0, D)
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < hi
     block = tl.load(tables_ptr + seq * max_blocks + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     offs = (block * BLOCK_SIZE + n % BLOCK_SIZE) * KVH * D + kvh * D
-    k = _load_cache(k_cache + offs[:, None] + d[None, :], n_ok[:, None], dtype, E5M2_BITS)
-    v = _load_cache(v_cache + offs[:, None] + d[None, :], n_ok[:, None], dtype, E5M2_BITS)
+    k = tl.load(k_cache + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
+    v = tl.load(v_cache + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0).to(dtype)
     return k, v, n
 
 
@@ -241,12 +239,12 @@ def _softmax_update(q, k, v, n, hi, q_pos, scale, acc, m_i, l_i):
 @triton.jit
 def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
                     KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, max_blocks, E5M2_BITS: tl.constexpr, acc, m_i, l_i):
+                    BLOCK_N: tl.constexpr, max_blocks, acc, m_i, l_i):
     """Online softmax of q [BLOCK_M, D] over cached keys lo..hi, continuing from (acc, running max, running
-    sum). With E5M2_BITS and 16-bit activations, q arrives as fp16 and the dots run in fp16; fp32 stays fp32."""
+    sum); q arrives as _as_dot_operand made it."""
     for start in range(lo, hi, BLOCK_N):
         k, v, n = _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
-                           max_blocks, q.dtype, E5M2_BITS)
+                           max_blocks, q.dtype)
         acc, m_i, l_i = _softmax_update(q, k, v, n, hi, q_pos, scale, acc, m_i, l_i)
     return acc, m_i, l_i
 
@@ -261,7 +259,7 @@ def _softmax_start(BLOCK_M: tl.constexpr, D: tl.constexpr):
 def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale, max_blocks,
                             rows_per_table, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, E5M2_BITS: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence, kv head, query tile); a tile's rows are (query token, head of the kv group) pairs."""
     _after_producer(PDL)
     seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -276,16 +274,12 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
         ok = (r < BLOCK_Q * GROUP) & (t < q_len)
         d = tl.arange(0, D)
         q_offs = (q_first + t)[:, None] * (H * D) + head[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + q_offs, mask=ok[:, None], other=0.0)
-        if E5M2_BITS:
-            if q.dtype != tl.float32:  # 16-bit activations: dots in fp16, the cache's exact widening
-                q = q.to(tl.float16)
+        q = _as_dot_operand(tl.load(q_ptr + q_offs, mask=ok[:, None], other=0.0), k_cache)
         q_pos = ctx - q_len + t
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
         acc, m_i, l_i = _softmax_start(BLOCK_M, D)
         acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq // rows_per_table, kvh, q_pos, 0, hi,
-                                        scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS, acc,
-                                        m_i, l_i)
+                                        scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -295,7 +289,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
                          rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                         HAS_NORM: tl.constexpr, E5M2_BITS: tl.constexpr, PDL: tl.constexpr):
+                         HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Decode only (one query row each; a block-table row serves rows_per_table consecutive rows): split s of
     SPLITS covers one slice of the row's context. The slices depend on the context length alone, so a row's
     result does not depend on how many other rows the step has.
@@ -318,7 +312,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         # Everything but the qkv row itself is read before the wait: the first key tile, this row's position and
         # slot (written before layer 0), the norm weights and the position's cos / sin.
         k0, v0, n0 = _kv_tile(k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
-                              max_blocks, dtype, False)
+                              max_blocks, dtype)
         pos = tl.load(pos_ptr + seq)
         slot = tl.load(slot_ptr + seq)
         pos_cs = cos_sin_ptr + pos.to(tl.int64) * D
@@ -353,12 +347,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         acc, m_i, l_i = _softmax_update(q, k0, v0, n0, hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
     else:
-        q = tl.load(q_ptr + seq * stride_q + head[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        if E5M2_BITS:
-            if q.dtype != tl.float32:  # 16-bit activations: dots in fp16, the cache's exact widening
-                q = q.to(tl.float16)
+        q = _as_dot_operand(tl.load(q_ptr + seq * stride_q + head[:, None] * D + d[None, :], mask=ok[:, None],
+                                    other=0.0), k_cache)
     acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, table_row, kvh, q_pos, lo, hi, scale, KVH, D,
-                                    BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, E5M2_BITS, acc, m_i, l_i)
+                                    BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
     base = (seq * H + head) * SPLITS + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=ok)
@@ -433,19 +425,19 @@ def _nibbles(bits):
 
 
 @triton.jit
-def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, WKIND: tl.constexpr, GROUP: tl.constexpr,
+def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BLOCK_N weight rows at n as stored, with their scales and offsets (unused ones are 0): (w, s, o)."""
+    """BLOCK_N weight rows at n, columns k0 .. k0 + BLOCK_K (those < K), as stored, with their scales and offsets
+    (unused ones are 0): (w, s, o). An int4 piece starts and ends on group boundaries."""
     if WKIND == 2:
-        HALF: tl.constexpr = BLOCK_K // 2
-        i = tl.arange(0, HALF)
+        i = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         w = tl.load(w_ptr + n[:, None] * (K // 2) + i[None, :], mask=n_ok[:, None] & (i < K // 2)[None, :], other=0)
-        g = tl.arange(0, BLOCK_K // GROUP)
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
         s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
         o = tl.load(offsets_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
     else:
-        k = tl.arange(0, BLOCK_K)
+        k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         s = tl.load(scales_ptr + n, mask=n_ok, other=0.0) if WKIND == 1 else 0.0
         o = 0.0
@@ -473,46 +465,76 @@ def _row_dots(w, s, o, xf, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES: tl.constexpr, dtype: tl.constexpr):
+    """x[row] (+ res[row]) at columns k, in float32 (0 past K); the n-block 0 programs store the sum as the new
+    residual."""
+    k_ok = (k < K) & (k * 0 + row < ROWS)  # masks as tensors: the interpreter rejects scalar conditions
+    x = tl.load(x_ptr + row * K + k, mask=k_ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * K + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * K + k, x, mask=k_ok & (k * 0 + pid == 0))
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, ROWS, K, N_OUT,
                       eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, WKIND: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                      PDL: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
+                      ROW_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
     Program (n block, row block) holds BLOCK_N rows of W and the norm weight (read before the wait for the
     producer of x) and applies them to ROW_BLOCK rows of x, unrolled and independent: every row runs the same
     instructions a one-row call runs, so its result is bit-equal whatever ROWS and ROW_BLOCK are (a speculative
     verify step reproduces decode).
-    With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. The n-block 0
-    programs write the new residual; the others only read the old one, so the output buffer must differ from the
-    input. Weights are read as WKIND says (see _load_rows).
+    The row is held as columns 0 .. BLOCK_K and, when BLOCK_KB > 0, BLOCK_K .. BLOCK_K + BLOCK_KB (see
+    gemv_k_pieces). With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. The
+    n-block 0 programs write the new residual; the others only read the old one, so the output buffer must differ
+    from the input. Weights are read as WKIND says (see _load_rows).
     """
     pid, first_row = tl.program_id(0), tl.program_id(1) * ROW_BLOCK
+    TWO: tl.constexpr = BLOCK_KB > 0
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
-    w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, WKIND, GROUP, BLOCK_N, BLOCK_K)
+    w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
+    if TWO:
+        wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N, BLOCK_KB)
     if SILU:
-        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, n + N_OUT, n_ok, K, WKIND, GROUP, BLOCK_N,
-                                      BLOCK_K)
+        up_n = n + N_OUT
+        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
+        if TWO:
+            w_upb, s_upb, o_upb = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, BLOCK_K, WKIND, GROUP,
+                                             BLOCK_N, BLOCK_KB)
     k = tl.arange(0, BLOCK_K)
+    if TWO:
+        kb = BLOCK_K + tl.arange(0, BLOCK_KB)
     if HAS_NORM:
         nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        if TWO:
+            nwb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
     _after_producer(PDL)
     dtype = out_ptr.dtype.element_ty
     for i in tl.static_range(ROW_BLOCK):
         row = first_row + i
-        k_ok = (k < K) & (k * 0 + row < ROWS)  # masks as tensors: the interpreter rejects scalar conditions
-        x = tl.load(x_ptr + row * K + k, mask=k_ok, other=0.0)
-        if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * K + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-            tl.store(res_out_ptr + row * K + k, x, mask=k_ok & (k * 0 + pid == 0))
-        xf = x.to(tl.float32)
+        xf = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES, dtype)
+        if TWO:
+            xfb = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, kb, pid, HAS_RES, dtype)
         if HAS_NORM:
-            rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            sum_sq = tl.sum(xf * xf, axis=0)
+            if TWO:
+                sum_sq += tl.sum(xfb * xfb, axis=0)
+            rms = tl.rsqrt(sum_sq / K + eps)
             xf = (xf * rms * nw).to(dtype).to(tl.float32)
-        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K).to(dtype)
+            if TWO:
+                xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
+        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+        if TWO:
+            acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+        acc = acc.to(dtype)
         if SILU:
             up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+            if TWO:
+                up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
             gate = acc.to(tl.float32)
             acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
@@ -739,6 +761,15 @@ def skinny_config(n: int, k: int) -> tuple[int, int, int]:
     return (32 if n >= 4096 else 16), block_k, 4
 
 
+def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
+    """(keys a tile, warps, pipeline stages) of the paged attention kernel. Decode steps (one query row a
+    sequence) with head_dim 128: 64 keys, two warps (the fastest of a sweep on an H200 at batch 64, context 320:
+    bf16 cache 24.9 us a layer vs 25.7 for four warps, fp8-e5m2 21.1 vs 28.9), four stages for the e5m2 cache."""
+    if decode and dim <= 128:
+        return 64, 2, 4 if e5m2 else 3
+    return (64 if dim <= 128 else 32), 4, 3
+
+
 def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     """(rows of W per program, warps). Four rows and four warps gave the fastest batch-1 decode step on an H200 for
     the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md). Small 16-bit and int4
@@ -746,6 +777,18 @@ def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     batch-1 decode step: bf16 358 vs 386 us, int4 421 vs 440; K = 4 verify 693 vs 726); small fp8 ones do not (364
     vs 340). A function of the weight alone, so that decode and verify rows of one layer round alike."""
     return (8, 4) if _small_weight(n_out, k) and kind != FP8 else (4, 4)
+
+
+def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
+    """(BLOCK_K, BLOCK_KB): a small weight's GEMV row as a power-of-two piece plus a second one for the rest, so
+    that a 576-wide row takes 512 + 64 columns' registers rather than 1,024 (BLOCK_KB 0: one piece). SmolLM2 shape,
+    H200, captured steps: bf16 decode 345 vs 357 us, int4 396 vs 420; Qwen3's larger layers (3,072 = 2,048 +
+    1,024) ran 1-2% slower in two, so they keep one. Int4 pieces hold whole groups."""
+    first = 1 << (k.bit_length() - 1)
+    rest = _pow2(k - first) if first < k else 0
+    if not _small_weight(n_out, k) or rest == 0 or rest % group:
+        return _pow2(k), 0
+    return first, rest
 
 
 def _small_weight(n_out: int, k: int) -> bool:
@@ -834,7 +877,7 @@ class CudaKernels(ReferenceKernels):
         if self._split_kv(meta) and k_cache.dtype != torch.float8_e5m2:
             out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if qkv.shape[0]:
-                self._split_decode(qkv, k_cache, v_cache, meta, scale, out, False,
+                self._split_decode(qkv, k_cache, v_cache, meta, scale, out,
                                    rope=(q_norm, k_norm, cos_sin, positions, eps))
             return out
         q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
@@ -852,26 +895,24 @@ class CudaKernels(ReferenceKernels):
         group = heads // kv_heads
         if n_seqs == 0:
             return out
-        e5m2 = k_cache.dtype == torch.float8_e5m2
-        if e5m2:
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         if self._split_kv(meta):
-            return self._split_decode(q.view(n_seqs, -1), k_cache, v_cache, meta, scale, out, e5m2)
+            return self._split_decode(q.view(n_seqs, -1), k_cache, v_cache, meta, scale, out)
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
+        block_n, warps, stages = paged_config(dim, k_cache.dtype == torch.float8_e5m2, meta.max_query_len == 1)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.context_lens, scale,
             meta.block_tables.shape[1], n_seqs // max(meta.block_tables.shape[0], 1), H=heads, KVH=kv_heads, D=dim,
-            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64 if dim <= 128 else 32,
-            E5M2_BITS=e5m2, **self._pdl)
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            num_stages=stages, **self._pdl)
         return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
         """Decode-only steps the runner captured with KV splits take the split-KV kernel."""
         return meta.max_query_len == 1 and self.decode_splits > 1
 
-    def _split_decode(self, q, k_cache, v_cache, meta, scale, out, e5m2, rope=None):
+    def _split_decode(self, q, k_cache, v_cache, meta, scale, out, rope=None):
         """q: [rows, H * D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
         n_rows, heads, dim = out.shape
         kv_heads, splits = k_cache.shape[2], self.decode_splits
@@ -884,7 +925,7 @@ class CudaKernels(ReferenceKernels):
             n_rows // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if has_norm else q,
             k_norm if has_norm else q, cos_sin, positions, meta.slot_mapping, eps, H=heads, KVH=kv_heads, D=dim,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=SPLIT_BLOCK_N,
-            SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm, E5M2_BITS=e5m2, **self._pdl)
+            SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm, **self._pdl)
         _decode_reduce_kernel[(n_rows * heads,)](part, ml, out, D=dim, SPLITS=splits, **self._pdl)
         return out
 
@@ -1009,10 +1050,11 @@ class CudaKernels(ReferenceKernels):
         kind, data, scales, offsets, group = self._weight_kind(w)
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k, kind)
         row_block = gemv_row_block(rows, w.shape[0], k)
+        block_k, block_kb = gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
             rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
-            BLOCK_N=block_n, BLOCK_K=_pow2(k), ROW_BLOCK=row_block, num_warps=warps, **self._pdl)
+            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb, ROW_BLOCK=row_block, num_warps=warps, **self._pdl)
         return (out, res_out) if with_residual else out
 
     def decode_inputs(self, positions, live, tables, block_size):
