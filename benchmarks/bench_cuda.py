@@ -353,8 +353,8 @@ def engine_benchmarks(loaded, quick: bool):
     rows, steps = [], []
     results["engine_rows"], results["decode_steps"] = rows, steps
     # Without the fused register GEMV: bf16 projections through cuBLAS, quantized ones through the skinny GEMM.
-    unfused = {"variant": "no-fused-gemv", "configure": lambda llm: setattr(llm.engine.model.kernels,
-                                                                            "register_gemv", False)}
+    unfused = {"variant": "no-fused-gemv", "configure": lambda llm: vars(llm.engine.model.kernels).update(
+        register_gemv=False, skinny_dense=False)}
     fp8_kv = {"variant": "kv-fp8-e5m2", "kv_cache_dtype": "fp8-e5m2"}
     configs = [("bf16", "full", [1, 8, 64], {}), ("bf16", "full", [1], unfused), ("bf16", "basic", [1, 64], {}),
                ("fp8-e4m3", "full", [1, 64], {}), ("fp8-e4m3", "full", [64], fp8_kv), ("bf16", "full", [64], fp8_kv),

@@ -280,7 +280,10 @@ def test_store_kv_and_silu_and_mul_match_reference():
 @pytest.mark.parametrize("rows", [3, 33])
 def test_skinny_gemm_matches_reference_for_dense_and_fp8(rows):
     x, w = rand(rows, 256), rand(48, 256, scale=0.1)
-    assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 1e-4  # dense 16-bit: cuBLAS
+    assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 1e-4  # dense 16-bit: the skinny GEMM past the GEMV's rows
+    cublas = CudaKernels()
+    cublas.skinny_dense = False
+    assert nmse(cublas.linear(x, w), REF.linear(x, w)) < 1e-4
     w8 = fp8_quantize(torch.randn(48, 256)).to(DEV)  # per-token fp8 activations too: e4m3 rounding of x
     assert nmse(CUDA.linear(x, w8), REF.linear(x, w8)) < 1e-2
     for config in ((16, 64, 2), (32, 128, 3)):
@@ -355,3 +358,24 @@ def test_gemv_row_pieces_follow_the_weight():
     assert pieces(960, 576, 1) == (512, 64) and pieces(1152, 1536, 32) == (1024, 512)
     assert pieces(4096, 1024, 1) == (1024, 0) and pieces(1024, 3072, 1) == (4096, 0)  # Qwen3: 2^21 elements and up
     assert pieces(960, 576, 128) == (1024, 0) and pieces(64, 256, 1) == (256, 0)
+
+
+SCALED_MM_ROWS = pytest.param(80, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torch._scaled_mm needs an fp8 GPU")])
+
+
+@pytest.mark.parametrize("rows", [8, SCALED_MM_ROWS])  # the skinny fp8 GEMM; torch._scaled_mm past its rows
+def test_fp8_rows_from_the_norm_and_silu_equal_quantizing_after(rows):
+    """At batch sizes past the register GEMV, the rmsnorm and the SiLU ahead of an fp8 projection write per-token
+    fp8 rows themselves: the projections' outputs are bit-equal to normalizing, then quantizing in a pass of its
+    own."""
+    x, res, w_norm = rand(rows, 256), rand(rows, 256), rand(256)
+    gate_up, down = fp8_quantize(torch.randn(2 * 64, 256)).to(DEV), fp8_quantize(torch.randn(32, 64)).to(DEV)
+    act, new_res = CUDA.norm_linear(x, res, w_norm, 1e-6, gate_up, silu=True, feeds=down)
+    assert isinstance(act, kernels_module.Fp8Rows)
+    normed, ref_res = CUDA.add_rmsnorm(x, res, w_norm, 1e-6)
+    ref_act = CUDA.silu_and_mul(CUDA.linear(normed, gate_up))
+    assert torch.equal(new_res, ref_res)
+    assert torch.equal(CUDA.linear(act, down), CUDA.linear(ref_act, down))
+    first, stream = CUDA.norm_linear(x, None, w_norm, 1e-6, gate_up)  # the first layer: x is the residual
+    assert torch.equal(first, CUDA.linear(CUDA.rmsnorm(x, w_norm, 1e-6), gate_up)) and stream is x

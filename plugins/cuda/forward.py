@@ -30,7 +30,8 @@ def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch
         attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
                                       v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         out = kernels.linear(attn.flatten(1), layer.o)
-        act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True)
+        act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True,
+                                            feeds=layer.down)
         hidden = kernels.linear(act, layer.down)
     return hidden, residual
 

@@ -6,6 +6,7 @@ write in one pass, rmsnorm fused into a small-batch GEMV prologue, and SiLU-and-
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,10 @@ def _dot(a, b):
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
-                    HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                    fp8_ptr=None, scale_ptr=None, FMAX: tl.constexpr = 0.0):
+    """rmsnorm(x (+ res)); with FMAX the normalized row goes out as per-token fp8 (fp8_ptr, scale_ptr) instead,
+    bit-equal to normalizing and then quantizing in two passes."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
@@ -93,7 +97,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
     xf = x.to(tl.float32)
     rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * K + cols, (xf * rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (xf * rms * w).to(out_ptr.dtype.element_ty)
+    if FMAX > 0:
+        _quantize_row(normed.to(tl.float32), fp8_ptr + row * K + cols, mask, scale_ptr + row, FMAX)
+    else:
+        tl.store(out_ptr + row * K + cols, normed, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,7 +385,10 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, scale_ptr=None,
+                     FMAX: tl.constexpr = 0.0):
+    """silu(gate) * up; with FMAX (one program a row, BLOCK >= N) out takes the row as per-token fp8 and
+    scale_ptr its scale."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -386,17 +397,27 @@ def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     up = tl.load(x_ptr + row * 2 * N + N + cols, mask=m, other=0.0)
     # F.silu rounds to the activation dtype before the product, as the reference does.
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=m)
+    act = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    if FMAX > 0:
+        _quantize_row(act.to(tl.float32), out_ptr + row * N + cols, m, scale_ptr + row, FMAX)
+    else:
+        tl.store(out_ptr + row * N + cols, act, mask=m)
 
 
 @triton.jit
 def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Dynamic per-token activation scale: amax of the row's finite values lands on the format maximum."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     m = cols < K
     x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
+    _quantize_row(x, q_ptr + row * K + cols, m, scale_ptr + row, FMAX)
+
+
+@triton.jit
+def _quantize_row(x, q_ptrs, m, scale_ptr, FMAX: tl.constexpr):
+    """Dynamic per-token activation scale: amax of the row's finite values (x, float32, 0 where not m) lands on
+    the format maximum; stores the fp8 row at q_ptrs and its scale."""
     finite = tl.abs(x) < float("inf")
     amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=0)
     # Floor at the smallest fp32 subnormal (bit pattern 1), written as bits: a literal that small becomes fp64.
@@ -404,8 +425,8 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
     scale = tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
     q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
     q = tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
-    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=m)
+    tl.store(scale_ptr, scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -811,6 +832,29 @@ def _key_chunks(sampled: torch.Tensor) -> int:
     return sampled.shape[1] if sampled.dim() == 2 else 0
 
 
+@dataclass
+class Fp8Rows:
+    """Activations quantized per token to fp8-e4m3 by the kernel that produced them (an rmsnorm or SiLU-and-mul
+    ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale [rows, 1]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor) -> Fp8Rows:
+    return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
+                   torch.empty(rows, 1, dtype=torch.float32, device=like.device), like.dtype)
+
+
 class CudaKernels(ReferenceKernels):
     """Triton versions of the hot ops; sampling and embedding stay in PyTorch (already one or two launches)."""
 
@@ -820,6 +864,10 @@ class CudaKernels(ReferenceKernels):
         self.decode_splits = decode_splits
         # One- and two-row batches through the register GEMV (norm and silu fused in) rather than the skinny GEMM.
         self.register_gemv = register_gemv
+        # 16-bit weights at decode batch sizes (up to SKINNY_MAX_ROWS rows) through the skinny GEMM rather than
+        # cuBLAS: it starts under programmatic dependent launch, and a captured bf16 step on an H200 ran 1.07-1.16x
+        # faster for it at batch 8-64 (Qwen3-0.6B shape), 1.21-1.26x (SmolLM2 shape).
+        self.skinny_dense = True
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
@@ -850,6 +898,27 @@ class CudaKernels(ReferenceKernels):
             _rmsnorm_kernel[(x.shape[0],)](x, residual, res_out, weight, out, x.shape[1], eps, HAS_RES=True,
                                            BLOCK_K=_pow2(x.shape[1]), **self._pdl)
         return out, res_out
+
+    def add_rmsnorm_fp8(self, x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
+        """rmsnorm(x (+ residual; None: x is the residual stream)) as per-token fp8-e4m3 rows, and the new
+        residual: one pass where add_rmsnorm + fp8_quantize_rows take two."""
+        rows, k = x.shape
+        out = _empty_fp8_rows(rows, k, x)
+        res_out = torch.empty_like(x) if residual is not None else x
+        if rows:
+            _rmsnorm_kernel[(rows,)](x, x if residual is None else residual, res_out, weight, x, k, eps,
+                                     HAS_RES=residual is not None, BLOCK_K=_pow2(k), fp8_ptr=out.data,
+                                     scale_ptr=out.scale, FMAX=FP8_MAX["fp8-e4m3"], **self._pdl)
+        return out, res_out
+
+    def silu_and_mul_fp8(self, x) -> Fp8Rows:
+        """silu_and_mul as per-token fp8-e4m3 rows (one program a row)."""
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = _empty_fp8_rows(rows, n, x)
+        if rows:
+            _silu_mul_kernel[(rows, 1)](x.contiguous(), out.data, n, BLOCK=_pow2(n), scale_ptr=out.scale,
+                                        FMAX=FP8_MAX["fp8-e4m3"], **self._pdl)
+        return out
 
     # --- attention block pieces ----------------------------------------------------------------------------
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
@@ -945,7 +1014,10 @@ class CudaKernels(ReferenceKernels):
         return self.register_gemv and self._gemv_fits(x, w) and wide_ok
 
     def linear(self, x, w: Weight, bias=None):
-        if self._gemv_route(x, w):
+        """x @ w.T (+ bias); x may be Fp8Rows when _takes_fp8_rows(x, w) said so."""
+        if isinstance(x, Fp8Rows):
+            out = self.skinny_gemm(x, w) if self._skinny_fits(x, w) else self._fp8_linear(x, w)
+        elif self._gemv_route(x, w):
             out = self.gemv(x, w)
         elif self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
@@ -957,12 +1029,13 @@ class CudaKernels(ReferenceKernels):
             return super().linear(x, w, bias)
         return out if bias is None else out + bias.to(out.dtype)
 
-    @staticmethod
-    def _skinny_fits(x, w) -> bool:
-        """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M)."""
-        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N
+    def _skinny_fits(self, x, w) -> bool:
+        """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M), and 16-bit ones
+        unless skinny_dense is off."""
+        dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
+        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N and x.shape[1] % 16 == 0
                 and x.dtype in (torch.bfloat16, torch.float16)
-                and isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3")
+                and (dense or isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3"))
 
     def skinny_gemm(self, x, w: Weight, config=None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows; fp8 W meets per-token fp8 x, a 16-bit W meets x as is."""
@@ -970,7 +1043,7 @@ class CudaKernels(ReferenceKernels):
         n = w.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         fp8 = isinstance(w, Fp8Weight)
-        x_in, x_scale = self.fp8_quantize_rows(x) if fp8 else (x.contiguous(), x)
+        x_in, x_scale = self._fp8_rows(x) if fp8 else (x.contiguous(), x)
         data, scales = (w.data, w.scale.reshape(-1)) if fp8 else (w, w)
         block_n, block_k, stages = config or skinny_config(n, k)
         block_m = max(16, _pow2(rows))
@@ -991,10 +1064,21 @@ class CudaKernels(ReferenceKernels):
         """Prefill-sized fp8: per-token fp8 activations through the fp8 tensor cores (torch._scaled_mm)."""
         if w.shape[0] % 16 or w.shape[1] % 16:  # _scaled_mm's tile constraint: such weights run as W8A16
             return F.linear(x, w.dequantize(x.dtype))
-        xq, x_scale = self.fp8_quantize_rows(x)
+        xq, x_scale = self._fp8_rows(x)
         w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
         return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
                                 out_dtype=x.dtype)
+
+    def _takes_fp8_rows(self, x, w) -> bool:
+        """Whether linear(x, w) starts by quantizing x per token to fp8-e4m3 (the skinny fp8 GEMM, or
+        torch._scaled_mm for more rows): then x's producer can write it so (Fp8Rows) and save that pass."""
+        fp8_e4m3 = isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3"
+        if not fp8_e4m3 or x.dtype not in (torch.bfloat16, torch.float16) or self._gemv_route(x, w):
+            return False
+        return self._skinny_fits(x, w) or not (w.shape[0] % 16 or w.shape[1] % 16)
+
+    def _fp8_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x.data, x.scale) if isinstance(x, Fp8Rows) else self.fp8_quantize_rows(x)
 
     def fp8_quantize_rows(self, x, fmt: str = "fp8-e4m3"):
         """Per-token fp8 activations and their float32 scales [rows, 1] (one Triton pass)."""
@@ -1007,20 +1091,28 @@ class CudaKernels(ReferenceKernels):
                                             **self._pdl)
         return q, scale
 
-    def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False):
+    def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None):
         """rmsnorm(x + residual) -> linear (-> silu-and-mul when w is merged gate/up): (out, new residual).
 
         residual None means x is the residual stream itself (the first layer). One- and two-row batches run as
-        one fused GEMV (any weight kind); anything else as the separate kernels.
+        one fused GEMV (any weight kind); anything else as the separate kernels, the norm (and with feeds, the
+        weight the silu output goes to, the SiLU) writing per-token fp8 rows when the projection after it takes
+        them.
         """
-        if not self._gemv_route(x, w):
-            if residual is None:
-                normed, residual = self.rmsnorm(x, norm_w, eps), x
-            else:
-                normed, residual = self.add_rmsnorm(x, residual, norm_w, eps)
-            out = self.linear(normed, w)
-            return (self.silu_and_mul(out) if silu else out), residual
-        return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True)
+        if self._gemv_route(x, w):
+            return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True)
+        if self._takes_fp8_rows(x, w):
+            normed, residual = self.add_rmsnorm_fp8(x, residual, norm_w, eps)
+        elif residual is None:
+            normed, residual = self.rmsnorm(x, norm_w, eps), x
+        else:
+            normed, residual = self.add_rmsnorm(x, residual, norm_w, eps)
+        out = self.linear(normed, w)
+        if silu:
+            act = out[:, : out.shape[1] // 2]  # the shape and dtype silu_and_mul's output will have
+            fp8 = feeds is not None and self._takes_fp8_rows(act, feeds)
+            out = self.silu_and_mul_fp8(out) if fp8 else self.silu_and_mul(out)
+        return out, residual
 
     @staticmethod
     def _weight_kind(w) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
