@@ -379,3 +379,19 @@ def test_fp8_rows_from_the_norm_and_silu_equal_quantizing_after(rows):
     assert torch.equal(CUDA.linear(act, down), CUDA.linear(ref_act, down))
     first, stream = CUDA.norm_linear(x, None, w_norm, 1e-6, gate_up)  # the first layer: x is the residual
     assert torch.equal(first, CUDA.linear(CUDA.rmsnorm(x, w_norm, 1e-6), gate_up)) and stream is x
+
+
+def test_spec_accept_counts_only_steps_that_carried_drafts():
+    """A verify row whose history had no n-gram (n_draft 0) is a step but not a draft, as the engine's own
+    drafter counts: stats are steps, drafts, drafted, accepted, then accepted per position."""
+    k = 2
+    sampled = torch.tensor([5, 6, 7, 8, 9, 10], device=DEV)  # the target's tokens at each row's 3 positions
+    ids = torch.tensor([1, 0, 0, 2, 8, 4], device=DEV)  # row 1 drafts 8 (== the sample: accepted), then 4 (!= 9)
+    hist = torch.zeros(2, 8, dtype=torch.int64, device=DEV)
+    ntok = torch.tensor([3, 3], device=DEV)
+    cap = torch.tensor([8, 8], device=DEV)
+    n_draft = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    stats = torch.zeros(2, kernels_module.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
+    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, k)
+    assert stats.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 2, 1, 1, 0]]
+    assert ntok.tolist() == [4, 5] and hist[0, 3].item() == 5 and hist[1, 3:5].tolist() == [8, 9]

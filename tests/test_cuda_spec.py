@@ -65,8 +65,8 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
         runner._spec_body(1, greedy=True)
     ntok = int(runner.dev_spec[0, 0])
     produced = runner.dev_hist[0, starts[0] : ntok].tolist()
-    stats = runner.dev_spec_stats[0].tolist()
-    assert stats[0] == 3 and len(produced) == 3 + stats[2] and stats[1] > 0
+    steps, drafts, drafted, accepted, *per_position = runner.dev_spec_stats[0].tolist()
+    assert steps == 3 and len(produced) == 3 + accepted and drafted > 0 and per_position[0] <= drafts <= steps
 
     ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
                              DEV, torch.float32)

@@ -433,6 +433,10 @@ def _quantize_row(x, q_ptrs, m, scale_ptr, FMAX: tl.constexpr):
 # GEMV / GEMM
 
 
+# A spec row's counters (_spec_accept_kernel) before its per-position ones: verify steps, steps with drafts, drafted,
+# accepted.
+SPEC_STAT_FIELDS = 4
+
 # Weight kinds the GEMV / skinny GEMM read: 16-bit dense, fp8 with one scale per output row, Int4Weight.
 DENSE, FP8, INT4 = 0, 1, 2
 
@@ -740,10 +744,11 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
 
 @triton.jit
 def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, hist_stride,
-                        K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                        STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
-    accepted drafts and the token after them) extend the history. stats[j]: steps, drafted, accepted, then the
-    accepted count at each draft position. CHUNKS > 0: sampled_ptr holds argmax_keys' keys (a greedy step)."""
+    accepted drafts and the token after them) extend the history. stats[j]: steps, steps with drafts (a history
+    with no n-gram to copy verifies none), drafted, accepted, then the accepted count at each draft position.
+    CHUNKS > 0: sampled_ptr holds argmax_keys' keys (a greedy step)."""
     _after_producer(PDL)
     j = tl.program_id(0)
     n_draft = tl.load(n_draft_ptr + j)
@@ -763,11 +768,13 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
         take = tl.minimum(n_acc + 1, cap - ntok)
         tl.store(hist_ptr + j * hist_stride + ntok + r, sampled, mask=r < take)
         tl.store(ntok_ptr + j, ntok + take)
-        stats = stats_ptr + j * (3 + K)
+        stats = stats_ptr + j * (STAT_FIELDS + K)
         tl.store(stats, tl.load(stats) + 1)
-        tl.store(stats + 1, tl.load(stats + 1) + n_draft)
-        tl.store(stats + 2, tl.load(stats + 2) + n_acc)
-        tl.store(stats + 3 + r, tl.load(stats + 3 + r, mask=r < K, other=0) + (r < n_acc), mask=r < K)
+        tl.store(stats + 1, tl.load(stats + 1) + (n_draft > 0))
+        tl.store(stats + 2, tl.load(stats + 2) + n_draft)
+        tl.store(stats + 3, tl.load(stats + 3) + n_acc)
+        per_position = stats + STAT_FIELDS + r
+        tl.store(per_position, tl.load(per_position, mask=r < K, other=0) + (r < n_acc), mask=r < K)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1170,7 +1177,8 @@ class CudaKernels(ReferenceKernels):
 
     def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, k: int) -> None:
         """sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step."""
-        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0), K=k,
+        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0),
+                                              STAT_FIELDS=SPEC_STAT_FIELDS, K=k,
                                               Q_BLOCK=_pow2(k + 1), CHUNKS=_key_chunks(sampled), **self._pdl)
 
     def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ from flashnext.core.spec.decoder import SpecStats
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
 
 from .forward import forward, forward_unnormed, logits_of
-from .kernels import GEMV_MAX_ROWS
+from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -111,7 +111,7 @@ class CudaGraphRunner(ModelRunner):
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
         self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
-        self.spec_totals = np.zeros(3 + profile.spec_tokens, dtype=np.int64)  # steps, drafted, accepted, per position
+        self.spec_totals = np.zeros(SPEC_STAT_FIELDS + profile.spec_tokens, dtype=np.int64)  # see _spec_accept_kernel
         if self.use_graphs:
             self._init_static(max(self.buckets))
 
@@ -142,7 +142,7 @@ class CudaGraphRunner(ModelRunner):
             self.verify_query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
             self.host_hist = torch.zeros(r, width, dtype=torch.int64, **pinned)
             self.host_spec = torch.zeros(len(_SPEC_FIELDS), r, dtype=torch.int64, **pinned)
-            self.host_spec_stats = torch.zeros(r, 3 + self.verify_len - 1, dtype=torch.int64, **pinned)
+            self.host_spec_stats = torch.zeros(r, SPEC_STAT_FIELDS + self.verify_len - 1, dtype=torch.int64, **pinned)
             self.dev_hist = self.host_hist.to(dev)
             self.dev_spec = self.host_spec.to(dev)
             self.dev_spec_stats = self.host_spec_stats.to(dev)
@@ -447,7 +447,7 @@ class CudaGraphRunner(ModelRunner):
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
         self.spec_totals += stats
         if stats[0]:  # verify steps taken, and the tokens they gave: one each plus the accepted drafts
-            step_yield = (stats[0] + stats[2]) / stats[0]
+            step_yield = (stats[0] + stats[3]) / stats[0]
             self.spec_step_yield += RATE_SMOOTHING * (step_yield - self.spec_step_yield)
         tokens = [hist[j, start : ntok[j]].copy() for j, start in enumerate(starts)]
         if not all(len(t) for t in tokens):  # a sequence out of slots or tokens: the host takes over
@@ -525,9 +525,9 @@ class CudaGraphRunner(ModelRunner):
         k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
 
     def spec_stats(self) -> dict | None:
-        """The device verify steps' counters, in the engine's shape (a step whose history had no n-gram to copy
-        counts too: it is a verify step all the same)."""
+        """The device verify steps' counters, in the engine's shape: drafts counts the verify steps that carried a
+        draft (a step whose history had no n-gram to copy verified none), as the engine's own drafter counts."""
         if not self.drafts_itself:
             return None
-        steps, drafted, accepted = (int(x) for x in self.spec_totals[:3])
-        return SpecStats(steps, drafted, accepted, self.spec_totals[3:].tolist()).as_dict()
+        drafts, drafted, accepted = (int(x) for x in self.spec_totals[1:SPEC_STAT_FIELDS])
+        return SpecStats(drafts, drafted, accepted, self.spec_totals[SPEC_STAT_FIELDS:].tolist()).as_dict()
