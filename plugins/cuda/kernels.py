@@ -433,10 +433,6 @@ def _quantize_row(x, q_ptrs, m, scale_ptr, FMAX: tl.constexpr):
 # GEMV / GEMM
 
 
-# A spec row's counters (_spec_accept_kernel) before its per-position ones: verify steps, steps with drafts, drafted,
-# accepted.
-SPEC_STAT_FIELDS = 4
-
 # Weight kinds the GEMV / skinny GEMM read: 16-bit dense, fp8 with one scale per output row, Int4Weight.
 DENSE, FP8, INT4 = 0, 1, 2
 
@@ -677,6 +673,10 @@ def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, o
 # ---------------------------------------------------------------------------------------------------------------
 # Speculative decoding on the device: n-gram drafts and their verdicts, so verify steps chain without the host
 
+# A spec row's counters (_spec_accept_kernel) before its per-position ones: verify steps, steps with drafts, drafted,
+# accepted.
+SPEC_STAT_FIELDS = 4
+
 
 @triton.jit
 def _ngram_hit(hist, ntok, n, MAX_N: tl.constexpr, K: tl.constexpr, SCAN: tl.constexpr):
@@ -744,7 +744,8 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
 
 @triton.jit
 def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, hist_stride,
-                        STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                        STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                        PDL: tl.constexpr):
     """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
     accepted drafts and the token after them) extend the history. stats[j]: steps, steps with drafts (a history
     with no n-gram to copy verifies none), drafted, accepted, then the accepted count at each draft position.
