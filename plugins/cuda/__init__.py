@@ -40,10 +40,11 @@ class CudaBackend(Backend):
         "chunked_prefill": True,
         "prefix_caching": True,
         "spec_decode": True,  # n-gram: verify steps chained on the device, row-invariant graphs (runner.py); MTP eager
-        "fp8_kv_cache": True,  # e5m2 (widened by a byte shift) or e4m3, inside the attention kernel
+        "fp8_kv_cache": True,  # e5m2 (read as fp8, widened to fp16 for the dots) or e4m3, inside attention
         "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
-        # fp8-e4m3 weights, per-channel scales: 16-bit activations in the batch-1 GEMV, per-token fp8 activations
-        # in the decode-batch Triton GEMM and in torch._scaled_mm for prefill-sized batches.
+        # fp8-e4m3 weights, per-channel scales: 16-bit activations in the small-batch GEMV, per-token fp8
+        # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM and in
+        # torch._scaled_mm for prefill-sized batches.
         "fp8_weights": True,
         "int4_weights": True,  # Triton GEMV up to 4 rows; one Triton dequant pass + cuBLAS above
     }
