@@ -319,7 +319,8 @@ def gemm_sweep(loaded):
                 if precision == "fp8-e4m3":
                     variants["scaled_mm w8a8"] = lambda i: k._fp8_linear(x, weight(i))
                 if rows <= 2:
-                    variants[f"register gemv {gemv_config(w0.shape[0], width, k._weight_kind(w0)[0])}"] = lambda i: k.gemv(x, weight(i))
+                    default = gemv_config(w0.shape[0], width, k._weight_kind(w0)[0])
+                    variants[f"register gemv {default}"] = lambda i: k.gemv(x, weight(i))
                     for conf in ((4, 4), (16, 8)):
                         variants[f"register gemv {conf}"] = lambda i, c=conf: k.gemv(x, weight(i), config=c)
                 if precision == "int4":

@@ -870,7 +870,8 @@ class CudaKernels(ReferenceKernels):
         # KV splits for decode attention; the runner sets this per captured batch size (small batches need more
         # programs than sequences x kv heads to fill the GPU).
         self.decode_splits = decode_splits
-        # One- and two-row batches through the register GEMV (norm and silu fused in) rather than the skinny GEMM.
+        # Batches of up to gemv_max_rows rows through the register GEMV (norm and silu fused in) rather than the
+        # skinny GEMM.
         self.register_gemv = register_gemv
         # 16-bit weights at decode batch sizes (up to SKINNY_MAX_ROWS rows) through the skinny GEMM rather than
         # cuBLAS: it starts under programmatic dependent launch, and a captured bf16 step on an H200 ran 1.07-1.16x
@@ -1050,13 +1051,12 @@ class CudaKernels(ReferenceKernels):
         rows, k = x.shape
         n = w.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        fp8 = isinstance(w, Fp8Weight)
-        x_in, x_scale = self._fp8_rows(x) if fp8 else (x.contiguous(), x)
-        data, scales = (w.data, w.scale.reshape(-1)) if fp8 else (w, w)
+        kind, data, scales, _, _ = self._weight_kind(w)
+        x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
         block_n, block_k, stages = config or skinny_config(n, k)
         block_m = max(16, _pow2(rows))
         _skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
-            x_in, x_scale, data, scales, out, rows, n, k, WKIND=FP8 if fp8 else DENSE, BLOCK_M=block_m,
+            x_in, x_scale, data, scales, out, rows, n, k, WKIND=kind, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, **self._pdl)
         return out
 
@@ -1070,7 +1070,7 @@ class CudaKernels(ReferenceKernels):
 
     def _fp8_linear(self, x, w: Fp8Weight):
         """Prefill-sized fp8: per-token fp8 activations through the fp8 tensor cores (torch._scaled_mm)."""
-        if w.shape[0] % 16 or w.shape[1] % 16:  # _scaled_mm's tile constraint: such weights run as W8A16
+        if not self._scaled_mm_fits(w):  # such weights run as W8A16
             return F.linear(x, w.dequantize(x.dtype))
         xq, x_scale = self._fp8_rows(x)
         w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
@@ -1083,7 +1083,12 @@ class CudaKernels(ReferenceKernels):
         fp8_e4m3 = isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3"
         if not fp8_e4m3 or x.dtype not in (torch.bfloat16, torch.float16) or self._gemv_route(x, w):
             return False
-        return self._skinny_fits(x, w) or not (w.shape[0] % 16 or w.shape[1] % 16)
+        return self._skinny_fits(x, w) or self._scaled_mm_fits(w)
+
+    @staticmethod
+    def _scaled_mm_fits(w: Fp8Weight) -> bool:
+        """torch._scaled_mm's tile constraint."""
+        return w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
 
     def _fp8_rows(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         return (x.data, x.scale) if isinstance(x, Fp8Rows) else self.fp8_quantize_rows(x)
@@ -1102,10 +1107,10 @@ class CudaKernels(ReferenceKernels):
     def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None):
         """rmsnorm(x + residual) -> linear (-> silu-and-mul when w is merged gate/up): (out, new residual).
 
-        residual None means x is the residual stream itself (the first layer). One- and two-row batches run as
-        one fused GEMV (any weight kind); anything else as the separate kernels, the norm (and with feeds, the
-        weight the silu output goes to, the SiLU) writing per-token fp8 rows when the projection after it takes
-        them.
+        residual None means x is the residual stream itself (the first layer). Batches of up to gemv_max_rows
+        rows run as one fused GEMV (any weight kind); anything else as the separate kernels, the norm (and with
+        feeds, the weight the silu output goes to, the SiLU) writing per-token fp8 rows when the projection after
+        it takes them.
         """
         if self._gemv_route(x, w):
             return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True)
