@@ -327,9 +327,9 @@ def gemm_sweep(loaded):
                     variants["dequant+cublas"] = lambda i: torch.nn.functional.linear(
                         x, k.int4_dequantize(weight(i), x.dtype))
                 else:
-                    chosen = skinny_config(w0.shape[0], width)
+                    chosen = skinny_config(w0.shape[0], width, rows)
                     variants[f"skinny {chosen}"] = lambda i: k.skinny_gemm(x, weight(i))
-                    for conf in ((16, 256, 4), (32, 128, 4), (64, 128, 3)):
+                    for conf in ((16, 256, 4, 1), (32, 128, 4, 1), (64, 128, 3, 1)):
                         if conf != chosen:
                             variants[f"skinny {conf}"] = lambda i, c=conf: k.skinny_gemm(x, weight(i), config=c)
                 row = {}

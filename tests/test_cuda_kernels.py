@@ -286,8 +286,24 @@ def test_skinny_gemm_matches_reference_for_dense_and_fp8(rows):
     assert nmse(cublas.linear(x, w), REF.linear(x, w)) < 1e-4
     w8 = fp8_quantize(torch.randn(48, 256)).to(DEV)  # per-token fp8 activations too: e4m3 rounding of x
     assert nmse(CUDA.linear(x, w8), REF.linear(x, w8)) < 1e-2
-    for config in ((16, 64, 2), (32, 128, 3)):
+    for config in ((16, 64, 2, 1), (32, 128, 3, 1)):
         assert nmse(CUDA.skinny_gemm(x, w8, config=config), REF.linear(x, w8)) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_skinny_gemm_adds_slices_in_order(split_k):
+    """K in slices, the last program to finish a tile adding the partials: the same bits as one slice-ordered sum
+    whichever program arrives last, so a repeat call (the counts reset) gives identical output; fp8 too."""
+    kernels = CudaKernels()
+    x, w = rand(20, 512), rand(40, 512, scale=0.1)
+    w8 = fp8_quantize(torch.randn(40, 512)).to(DEV)
+    for weight, bound in ((w, 1e-4), (w8, 1e-2)):
+        whole = kernels.skinny_gemm(x, weight, config=(16, 64, 2, 1))
+        split = kernels.skinny_gemm(x, weight, config=(16, 64, 2, split_k))
+        assert nmse(split, REF.linear(x, weight)) < bound and nmse(split, whole) < 1e-5
+        assert torch.equal(split, kernels.skinny_gemm(x, weight, config=(16, 64, 2, split_k)))
+    counts = kernels._split_k[x.device][-1][1]
+    assert int(counts.abs().sum()) == 0  # every tile's count is back at 0 for the next call
 
 
 def test_fp8_register_gemv_keeps_activations_16_bit():

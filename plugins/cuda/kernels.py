@@ -63,6 +63,13 @@ def _after_producer(PDL: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs. Nothing waits on a prefetch, so a kernel can issue its reads of data
+    that no running kernel writes before its programmatic-dependent-launch wait, and find them in L2 after it."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _dot(a, b):
     if _FP32_DOTS:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32))
@@ -562,29 +569,52 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, WKIND: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                        WKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+                        PDL: tl.constexpr):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
     they are; the epilogue applies x_scale ⊗ w_scale.
+    SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
+    multiples), so a few-MB weight is streamed by SPLIT_K times more programs. Each stores its fp32 partial tile
+    in part_ptr and counts itself in count_ptr[tile]; the last to arrive adds the partials in slice order (the
+    same bits whichever arrives last), writes out and sets the count back to 0 for the next call.
     """
-    _after_producer(PDL)
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    k_slice = K // SPLIT_K
+    if PREFETCH_LINES > 0:  # this program's fp8 weight slice (LINE elements a 128-byte line) while x's producer runs
+        cols = split * k_slice + tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, k_slice - 1)
+        _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + cols[None, :])
+    _after_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * k_slice, (split + 1) * k_slice, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
         acc += _dot(x, tl.trans(w))
-    if WKIND == 1:
-        acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
-        acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tile_offs = rm[:, None] * N + rn[None, :]
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * M * N + tile_offs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        tile = pid_m * tl.num_programs(0) + pid_n
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):  # past L1: other SMs wrote these
+                acc += tl.load(part_ptr + s * M * N + tile_offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+    if last:
+        if WKIND == 1:
+            acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+            acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -781,13 +811,17 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def skinny_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, pipeline stages) for fp8 weights: the fastest of a sweep on an H200 at 1 and 64 rows
-    (benchmarks/bench_cuda.py, docs/benchmarks.md)."""
+def skinny_config(n: int, k: int, rows: int = 64) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, pipeline stages, K slices): the fastest of sweeps on an H200 at 1, 8 and 64 rows
+    (docs/benchmarks.md). Long rows at small batches (Qwen3's down projection, K = 3,072, up to 16 rows) stream
+    in four K slices: 7.0 -> 5.8 us a call in bf16 at 8 rows, 5.8 -> 5.2 in fp8 (measured at 8 rows); elsewhere,
+    64 rows included, slices were no faster."""
+    if k >= 3072 and rows <= 16 and k % 1024 == 0:
+        return 32, 256, 3, 4
     block_k = 128 if n >= 4096 else 256
     while k % block_k:
         block_k //= 2
-    return (32 if n >= 4096 else 16), block_k, 4
+    return (32 if n >= 4096 else 16), block_k, 4, 1
 
 
 def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
@@ -886,6 +920,7 @@ class CudaKernels(ReferenceKernels):
         # GEMVs stream their weights meanwhile (a batch-1 step is ~200 short kernels; see _after_producer).
         use = pdl_supported() if pdl is None else pdl
         self._pdl = {"PDL": use, "launch_pdl": use}
+        self._split_k: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def sample(self, logits, params):
         if params.all_greedy:  # argmax needs no fp32 copy of [rows, vocab] logits: widening is exact
@@ -1053,12 +1088,35 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         kind, data, scales, _, _ = self._weight_kind(w)
         x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
-        block_n, block_k, stages = config or skinny_config(n, k)
+        block_n, block_k, stages, split_k = config or skinny_config(n, k, rows)
+        if k % (split_k * block_k):
+            split_k = 1
         block_m = max(16, _pow2(rows))
-        _skinny_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
-            x_in, x_scale, data, scales, out, rows, n, k, WKIND=kind, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages, **self._pdl)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split_k)
+        parts, counts = (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1],
+                                                                              x.device)
+        _skinny_gemm_kernel[grid](
+            x_in, x_scale, data, scales, out, parts, counts, rows, n, k, WKIND=kind, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages,
+            PREFETCH_LINES=self._prefetch_lines(data, k // split_k), LINE=128 // data.element_size(), **self._pdl)
         return out
+
+    def _prefetch_lines(self, data: torch.Tensor, k_slice: int) -> int:
+        """128-byte lines of each weight row the skinny GEMM asks L2 for before its wait: fp8 weights only (an
+        H200 call at 64 rows: 4.2-5.4 -> 3.8-4.8 us; a bf16 batch-64 step ran 3% slower with it)."""
+        if not self._pdl["PDL"] or data.element_size() != 1:
+            return 0
+        return _pow2(k_slice // 128)
+
+    def _split_k_buffers(self, part_elems: int, tiles: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-K partials and per-tile arrival counts, shared by every call (kernels on one stream run one
+        after another; a call leaves its counts at 0). Grown when a call needs more; outgrown buffers are kept,
+        since graphs captured earlier still point at them."""
+        buffers = self._split_k.setdefault(device, [])
+        if not buffers or buffers[-1][0].numel() < part_elems or buffers[-1][1].numel() < tiles:
+            buffers.append((torch.empty(max(part_elems, 1 << 20), dtype=torch.float32, device=device),
+                            torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)))
+        return buffers[-1]
 
     def int4_dequantize(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         n, k = w.shape
