@@ -194,16 +194,18 @@ def _rope_table(dim, positions):
     return torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group):
+@pytest.mark.parametrize("group,kv_dtype", [(1, torch.bfloat16), (3, torch.bfloat16), pytest.param(
+    3, torch.float8_e5m2, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU")])])
+def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_dtype):
     """rope_attention of a split decode step (q/k norm, rope and the KV write inside the attention kernel) gives
-    the bits of qkv_rope_store followed by attention, cache included. group 3: verify rows (3 consecutive rows of
-    a sequence share its table row, each attending up to its own position, the later ones to the new keys of the
-    earlier ones)."""
+    the bits of qkv_rope_store followed by attention, cache included, an fp8-e5m2 cache too. group 3: verify rows
+    (3 consecutive rows of a sequence share its table row, each attending up to its own position, the later ones
+    to the new keys of the earlier ones)."""
     heads, kv_heads, dim, block_size = 4, 2, 32, 4
     # 33: the new keys straddle two splits (slices of 32); 170: they sit past the first key tile of their slice
     contexts = [5, 33, 170]
-    _, kc, vc, meta = _paged_setup([1, 1, 1], contexts, heads, kv_heads, dim, block_size)
+    _, kc, vc, meta = _paged_setup([1, 1, 1], contexts, heads, kv_heads, dim, block_size, kv_dtype)
     positions = torch.tensor([c - group + i for c in contexts for i in range(group)], device=DEV)
     tables = meta.block_tables.tolist()
     slots = torch.tensor([tables[j // group][p // block_size] * block_size + p % block_size
@@ -221,8 +223,10 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group):
                                    0.2, heads, kv_heads, dim)
     q = kernels.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
                                kv_heads, dim)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert not torch.equal(caches[0], kc)  # the new keys did land
+    def same(a, b):  # bitwise, fp8 included
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert same(caches[0], caches[2]) and same(caches[1], caches[3])
+    assert not same(caches[0], kc)  # the new keys did land
     unfused = kernels.attention(q, caches[2], caches[3], rows_meta, 0.2)
     assert torch.equal(fused, unfused) and not fused.isnan().any()
 

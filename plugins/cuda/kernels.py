@@ -342,13 +342,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
     acc, m_i, l_i = _softmax_start(BLOCK_M, D)
     if ROPE:
-        q = _apply_norm_rope(q_ptr + seq * stride_q + head[:, None] * D, qw, qw_swapped, cos, sin, eps,
-                             ok[:, None], D, HAS_NORM, dtype)
+        q = _as_dot_operand(_apply_norm_rope(q_ptr + seq * stride_q + head[:, None] * D, qw, qw_swapped, cos, sin,
+                                             eps, ok[:, None], D, HAS_NORM, dtype), k_cache)
+        k0, v0 = k0.to(q.dtype), v0.to(q.dtype)  # exact: an e5m2 tile read as 16-bit, fp16 for the dots
         if (pos >= lo) & (pos < hi) & (slot >= 0):
             new_k, new_v = _store_new_kv(q_ptr + seq * stride_q, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache,
                                          v_cache, H, KVH, D, 1, HAS_NORM, dtype)
-            k0 = tl.where((n0 == pos)[:, None], new_k.to(dtype), k0)
-            v0 = tl.where((n0 == pos)[:, None], new_v.to(dtype), v0)
+            k0 = tl.where((n0 == pos)[:, None], new_k.to(q.dtype), k0)
+            v0 = tl.where((n0 == pos)[:, None], new_v.to(q.dtype), v0)
         for j in range(seq - seq % rows_per_table, seq):  # a verify row: the rows before it in its group
             pos_j = tl.load(pos_ptr + j)
             slot_j = tl.load(slot_ptr + j)
@@ -356,8 +357,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
                 cos_j, sin_j = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
                 new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kw, kw_swapped, cos_j, sin_j, eps, slot_j, kvh,
                                              k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype)
-                k0 = tl.where((n0 == pos_j)[:, None], new_k.to(dtype), k0)
-                v0 = tl.where((n0 == pos_j)[:, None], new_v.to(dtype), v0)
+                k0 = tl.where((n0 == pos_j)[:, None], new_k.to(q.dtype), k0)
+                v0 = tl.where((n0 == pos_j)[:, None], new_v.to(q.dtype), v0)
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
         acc, m_i, l_i = _softmax_update(q, k0, v0, n0, hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
@@ -987,7 +988,7 @@ class CudaKernels(ReferenceKernels):
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
                        scale, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
         """qkv_rope_store then attention: [T, H, D]. Split decode steps do both in the attention kernel."""
-        if self._split_kv(meta) and k_cache.dtype != torch.float8_e5m2:
+        if self._split_kv(meta):
             out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if qkv.shape[0]:
                 self._split_decode(qkv, k_cache, v_cache, meta, scale, out,
