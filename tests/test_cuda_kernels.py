@@ -223,6 +223,7 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_d
                                    0.2, heads, kv_heads, dim)
     q = kernels.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
                                kv_heads, dim)
+
     def same(a, b):  # bitwise, fp8 included
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert same(caches[0], caches[2]) and same(caches[1], caches[3])
