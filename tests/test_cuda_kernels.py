@@ -371,7 +371,6 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypat
     assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], kernels.linear(x, wide)[i]) for i in range(rows))
 
 
-
 def test_gemv_row_pieces_follow_the_weight():
     """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +
     512); large ones, powers of two and int4 rests smaller than a group keep one padded piece."""

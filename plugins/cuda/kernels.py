@@ -812,7 +812,7 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def skinny_config(n: int, k: int, rows: int = 64) -> tuple[int, int, int, int]:
+def skinny_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, pipeline stages, K slices): the fastest of sweeps on an H200 at 1, 8 and 64 rows
     (docs/benchmarks.md). Long rows at small batches (Qwen3's down projection, K = 3,072, up to 16 rows) stream
     in four K slices: 7.0 -> 5.8 us a call in bf16 at 8 rows, 5.8 -> 5.2 in fp8 (measured at 8 rows); elsewhere,
