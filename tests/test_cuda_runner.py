@@ -81,3 +81,24 @@ def test_graph_lookahead_gives_the_step_by_step_tokens():
         assert runner.graph_replays > 0 and runner.graph_memory_bytes > 0  # captures reserve their pool
     assert outputs[1, 0.0] == outputs[16, 0.0]
     assert outputs[1, 0.9] == outputs[16, 0.9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_capture_after_a_full_chunk_writes_inside_the_token_buffer():
+    """A capture's warm-up runs the decode body once, which writes its tokens at row step_index of out_tokens;
+    after a full chunk that row is one past the buffer (a new bucket's capture then crashed int4 engines)."""
+    from flashnext.core.llm import LLM
+
+    llm = LLM(model=random_model("smollm2-135m", torch.device("cuda")), backend="cuda", precision="int4",
+              profile="full", max_model_len=128, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.step_index.fill_(runner.max_decode_steps)  # as a chunk of max_decode_steps steps leaves it
+    batch = []
+    for j in range(2):
+        seq = Sequence(list(range(10 + j, 30 + j)), SamplingParams(max_tokens=8, ignore_eos=True))
+        seq.token_ids.append(1)
+        seq.num_computed, seq.block_table = 20, [4 * j + b for b in range(4)]
+        batch.append(ScheduledSeq(seq, 1, 1))
+    runner._ensure_graphs(batch, 2, True)
+    assert int(runner.step_index) == 1  # the warm-up's one step wrote row 0

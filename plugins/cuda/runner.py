@@ -328,6 +328,9 @@ class CudaGraphRunner(ModelRunner):
         with self.graph_settings(key[0], query_rows):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
+            # The warm-up writes its tokens at row step_index of out_tokens, which a full chunk leaves one past
+            # the end (an int4 engine crashed on it, a 16-bit one overwrote step_index): start it at row 0.
+            self.step_index.zero_()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
