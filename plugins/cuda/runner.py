@@ -329,7 +329,7 @@ class CudaGraphRunner(ModelRunner):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
             # The warm-up writes its tokens at row step_index of out_tokens, which a full chunk leaves one past
-            # the end (an int4 engine crashed on it, a 16-bit one overwrote step_index): start it at row 0.
+            # the end (an illegal memory access, or step_index overwritten where it is the next allocation).
             self.step_index.zero_()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
