@@ -87,7 +87,7 @@ def test_graph_lookahead_gives_the_step_by_step_tokens():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_capture_after_a_full_chunk_writes_inside_the_token_buffer():
     """A capture's warm-up runs the decode body once, which writes its tokens at row step_index of out_tokens;
-    after a full chunk that row is one past the buffer (a new bucket's capture then crashed int4 engines)."""
+    after a full chunk that row is one past the buffer, so a new bucket's capture wrote past it."""
     from flashnext.core.llm import LLM
 
     llm = LLM(model=random_model("smollm2-135m", torch.device("cuda")), backend="cuda", precision="int4",
