@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit of the module below
 
 triton = pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+tl = triton.language
 
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
 from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
@@ -124,6 +125,47 @@ def test_int4_fused_norm_gemv_with_silu(k, group_size):
     out, _ = CUDA.norm_linear(x, res, w_norm, 1e-6, w, silu=True)
     ref = REF.silu_and_mul(REF.linear(REF.add_rmsnorm(x, res, w_norm, 1e-6)[0], w))
     assert nmse(out, ref) < 1e-3
+
+
+def _int8_blocks_model(x: torch.Tensor, w) -> torch.Tensor:
+    """What the int4 GEMV computes, in float64: x rounded to int8 in blocks of X_BLOCK columns (scale: the block's
+    largest magnitude / 127), times the dequantized weight."""
+    blocks = x.double().reshape(x.shape[0], -1, kernels_module.X_BLOCK.value)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    xi = torch.floor(blocks / scale.clamp_min(1e-300) + 0.5)
+    return (xi * scale).reshape(x.shape) @ w.dequantize(torch.float64).T
+
+
+@pytest.mark.parametrize("k,group_size", [(256, 32), (576, 32), (384, 128), (256, 64)])
+def test_int4_gemv_meets_x_as_int8_blocks(k, group_size):
+    """fp32 rows (no output rounding): the int4 GEMV equals x quantized to int8 blocks times the dequantized weight
+    up to float32 summation, and so differs from x as it is by the blocks' rounding, visibly more."""
+    w = int4_quantize(torch.randn(40, k) * 0.1, group_size=group_size, symmetric=group_size != 64).to(DEV)
+    x = rand(2, k, dtype=torch.float32)
+    x[1, 5] = 40.0  # an outlier coarsens its block only
+    out = CUDA.linear(x, w)
+    assert nmse(out, _int8_blocks_model(x, w)) < 1e-11
+    assert nmse(out, x.double() @ w.dequantize(torch.float64).T) > 1e-7
+
+
+@triton.jit
+def _dp4a_kernel_for_test(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, kernels_module._dp4a(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)))
+
+
+def test_dp4a_sums_unsigned_bytes_times_signed_bytes():
+    """The GPU's dp4a instruction and the interpreter's spelled-out sum agree with integer arithmetic, sign bytes
+    and the accumulator included."""
+    n = 64
+    a = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
+    b = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
+    c = torch.randint(-2**20, 2**20, (n,), dtype=torch.int32, device=DEV)
+    out = torch.empty_like(a)
+    _dp4a_kernel_for_test[(1,)](a, b, c, out, N=n)
+    a_bytes = a.cpu().view(torch.uint8).reshape(n, 4).long()
+    b_bytes = b.cpu().view(torch.int8).reshape(n, 4).long()
+    assert torch.equal(out.cpu().long(), c.cpu().long() + (a_bytes * b_bytes).sum(1))
 
 
 def _paged_setup(query_lens, context_lens, heads=4, kv_heads=2, dim=32, block_size=4, kv_dtype=torch.bfloat16):

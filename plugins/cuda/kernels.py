@@ -37,8 +37,9 @@ ARGMAX_CHUNKS, ARGMAX_MIN_CHUNK = 128, 1024
 SKINNY_MAX_ROWS = 64
 
 
-# Triton's CPU interpreter (3.9) mis-multiplies bf16 dots; under it (the CI tests) dots run in fp32 instead.
-_FP32_DOTS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Triton's CPU interpreter (the CI tests): it mis-multiplies bf16 dots (3.9), so dots run in fp32 under it, and it
+# runs no inline assembly, so dp4a is spelled out there.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def _pow2(n: int) -> int:
@@ -71,7 +72,7 @@ def _prefetch_l2(ptrs):
 
 @triton.jit
 def _dot(a, b):
-    if _FP32_DOTS:
+    if _INTERPRETED:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif a.dtype == tl.float32:
         # fp32 means fp32: tl.dot would otherwise round fp32 inputs to TF32 (NMSE ~1e-7 in conformance)
@@ -446,21 +447,14 @@ DENSE, FP8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _nibbles(bits):
-    """4-bit codes (in int32 lanes) as exact floats: OR-ing them into the mantissa of 2^23 and subtracting 2^23
-    costs two full-rate instructions where an integer-to-float conversion runs at a quarter rate (an int4 batch-1
-    step on an H200: 666 -> 651 us)."""
-    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_N weight rows at n, columns k0 .. k0 + BLOCK_K (those < K), as stored, with their scales and offsets
     (unused ones are 0): (w, s, o). An int4 piece starts and ends on group boundaries."""
-    if WKIND == 2:
-        i = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        w = tl.load(w_ptr + n[:, None] * (K // 2) + i[None, :], mask=n_ok[:, None] & (i < K // 2)[None, :], other=0)
+    if WKIND == 2:  # int32 words of 8 nibbles (byte j: columns 2j, 2j + 1)
+        i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * (K // 8) + i[None, :],
+                    mask=n_ok[:, None] & (i < K // 8)[None, :], other=0)
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
         s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
@@ -474,23 +468,62 @@ def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constex
 
 
 @triton.jit
-def _row_dots(w, s, o, xf, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W · x for the rows _load_rows returned, x [BLOCK_K] float32 (zero past K). Int4 groups factor their scale
-    and offset out of the sum: sum((q s + o) x) = s sum(q x) + o sum(x), so the nibbles meet x with no dequant."""
-    if WKIND == 2:
-        HALF: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        x_even, x_odd = tl.split(tl.reshape(xf, (HALF, 2)))
-        bits = w.to(tl.int32)
-        prod = _nibbles(bits & 0xF) * x_even[None, :] + _nibbles(bits >> 4) * x_odd[None, :]
-        per_group = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP // 2)), axis=2)
-        x_sums = tl.sum(tl.reshape(x_even + x_odd, (GROUPS, GROUP // 2)), axis=1)
-        acc = tl.sum(per_group * s + o * x_sums[None, :], axis=1)
-    else:
-        acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
-        if WKIND == 1:
-            acc = acc * s
+def _row_dots(w, s, xf, WKIND: tl.constexpr):
+    """W · x for the 16-bit or fp8 rows _load_rows returned, x [BLOCK_K] float32 (zero past K)."""
+    acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
+    if WKIND == 1:
+        acc = acc * s
     return acc
+
+
+# Int4 rows meet x quantized to int8 in blocks of this many columns (llama.cpp's q8_1 block), so that the nibbles
+# multiply integers four at a time (dp4a) and only each block's sum is scaled.
+X_BLOCK = tl.constexpr(32)
+
+
+@triton.jit
+def _dp4a(a, b, c):
+    """c + the dot of a's four unsigned bytes with b's four signed ones, in int32 lanes."""
+    if _INTERPRETED:
+        out = c
+        for i in tl.static_range(4):
+            out += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+    else:
+        out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _x_int8(xf, BLOCK_K: tl.constexpr):
+    """x [BLOCK_K] float32 as int8 in blocks of X_BLOCK, scaled to each block's largest magnitude: (even-column
+    bytes, odd-column bytes) packed four to an int32 to meet the low / high nibbles of a weight word, the block
+    scales and the blocks' integer sums (as floats)."""
+    BLOCKS: tl.constexpr = BLOCK_K // X_BLOCK
+    xb = tl.reshape(xf, (BLOCKS, X_BLOCK))
+    amax = tl.max(tl.abs(xb), axis=1)
+    xi = tl.floor(xb * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)  # an all-zero block: 0s
+    even, odd = tl.split(tl.reshape(xi, (BLOCK_K // 8, 4, 2)))
+    shift = (tl.arange(0, 4) * 8)[None, :]  # disjoint bytes: the sums are ORs
+    return (tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), amax / 127.0,
+            tl.sum(xi, axis=1).to(tl.float32))
+
+
+@triton.jit
+def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W · x for int4 rows (int32 words) and x from _x_int8. Exact integer sums a block, then
+    sum((q s + o) x) = x_scale (s sum(q xi) + o sum(xi)) a block: about a fifth of the instructions of meeting
+    every nibble with a float (a 4-row program: 2 words, 4 dp4a, 3 masks per 16 weights)."""
+    x_even, x_odd, x_scale, x_sums = xq
+    dots = _dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(x_odd[None, :], w.shape),
+                 _dp4a(w & 0x0F0F0F0F, tl.broadcast_to(x_even[None, :], w.shape), tl.zeros(w.shape, tl.int32)))
+    PER_GROUP: tl.constexpr = GROUP // X_BLOCK
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    blocks = tl.reshape(tl.sum(tl.reshape(dots, (BLOCK_N, BLOCK_K // X_BLOCK, X_BLOCK // 8)), axis=2),
+                        (BLOCK_N, GROUPS, PER_GROUP)).to(tl.float32)
+    x_sums = tl.reshape(x_sums, (GROUPS, PER_GROUP))[None, :, :]
+    x_scale = tl.reshape(x_scale, (GROUPS, PER_GROUP))[None, :, :]
+    return tl.sum(tl.sum(x_scale * (s[:, :, None] * blocks + o[:, :, None] * x_sums), axis=2), axis=1)
 
 
 @triton.jit
@@ -519,7 +552,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
     The row is held as columns 0 .. BLOCK_K and, when BLOCK_KB > 0, BLOCK_K .. BLOCK_K + BLOCK_KB (see
     gemv_k_pieces). With SILU the weight is gate rows then up rows ([2 * N_OUT, K]) and out is [rows, N_OUT]. The
     n-block 0 programs write the new residual; the others only read the old one, so the output buffer must differ
-    from the input. Weights are read as WKIND says (see _load_rows).
+    from the input. Weights are read as WKIND says (see _load_rows); int4 rows meet x as int8 blocks (_x_int8),
+    as llama.cpp's quantized GEMVs do: per-row numerics, so row invariance holds for them as for the others.
     """
     pid, first_row = tl.program_id(0), tl.program_id(1) * ROW_BLOCK
     TWO: tl.constexpr = BLOCK_KB > 0
@@ -556,14 +590,26 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
             xf = (xf * rms * nw).to(dtype).to(tl.float32)
             if TWO:
                 xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
-        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
-        if TWO:
-            acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+        if WKIND == 2:
+            xq = _x_int8(xf, BLOCK_K)
+            acc = _int4_row_dots(w, s, o, xq, GROUP, BLOCK_N, BLOCK_K)
+            if TWO:
+                xqb = _x_int8(xfb, BLOCK_KB)
+                acc += _int4_row_dots(wb, sb, ob, xqb, GROUP, BLOCK_N, BLOCK_KB)
+        else:
+            acc = _row_dots(w, s, xf, WKIND)
+            if TWO:
+                acc += _row_dots(wb, sb, xfb, WKIND)
         acc = acc.to(dtype)
         if SILU:
-            up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
-            if TWO:
-                up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+            if WKIND == 2:
+                up = _int4_row_dots(w_up, s_up, o_up, xq, GROUP, BLOCK_N, BLOCK_K)
+                if TWO:
+                    up += _int4_row_dots(w_upb, s_upb, o_upb, xqb, GROUP, BLOCK_N, BLOCK_KB)
+            else:
+                up = _row_dots(w_up, s_up, xf, WKIND)
+                if TWO:
+                    up += _row_dots(w_upb, s_upb, xfb, WKIND)
             gate = acc.to(tl.float32)
             acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
@@ -836,11 +882,16 @@ def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
 
 def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     """(rows of W per program, warps). Four rows and four warps gave the fastest batch-1 decode step on an H200 for
-    the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md). Small 16-bit and int4
-    weights (the SmolLM2-135M layers) run faster with eight rows, in decode and verify steps alike (SmolLM2 shape,
-    batch-1 decode step: bf16 358 vs 386 us, int4 421 vs 440; K = 4 verify 693 vs 726); small fp8 ones do not (364
-    vs 340). A function of the weight alone, so that decode and verify rows of one layer round alike."""
-    return (8, 4) if _small_weight(n_out, k) and kind != FP8 else (4, 4)
+    the Qwen3-0.6B shape (programmatic dependent launch on; the sweep in docs/benchmarks.md). Small 16-bit weights
+    (the SmolLM2-135M layers) run faster with eight rows, in decode and verify steps alike (SmolLM2 shape, batch-1
+    decode step: bf16 358 vs 386 us; K = 4 verify 693 vs 726); small fp8 ones do not (364 vs 340). Int4 rows cost
+    few instructions (dp4a), so their programs take 16 (captured steps: Qwen3 batch 1 with eight warps 571 us vs
+    602 for four rows and four warps; SmolLM2 decode 344 vs 365, verify 572 vs 614, four warps). A function of the
+    weight alone, so that decode and verify rows of one layer round alike."""
+    small = _small_weight(n_out, k)
+    if kind == INT4:
+        return (16, 4) if small else (16, 8)
+    return (8, 4) if small and kind != FP8 else (4, 4)
 
 
 def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
@@ -1199,7 +1250,7 @@ class CudaKernels(ReferenceKernels):
         if x.shape[0] > self.gemv_max_rows or x.shape[1] > GEMV_MAX_K:
             return False
         if isinstance(w, Int4Weight):
-            return _pow2(x.shape[1]) % w.group_size == 0 and w.group_size % 2 == 0
+            return _pow2(x.shape[1]) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
         if isinstance(w, Fp8Weight):
             return w.per_channel
         return w.dtype == x.dtype
