@@ -148,6 +148,16 @@ def test_int4_gemv_meets_x_as_int8_blocks(k, group_size):
     assert nmse(out, x.double() @ w.dequantize(torch.float64).T) > 1e-7
 
 
+def test_int4_gemv_keeps_non_finite_rows_non_finite():
+    """Rounding x to int8 must not drop a NaN or inf: its row's outputs are NaN, as a float dot's would be, and the
+    other rows stay finite."""
+    w = int4_quantize(torch.randn(24, 256) * 0.1, group_size=32).to(DEV)
+    x = rand(3, 256)
+    x[0, 5], x[2, 200] = float("nan"), float("inf")
+    out = CUDA.linear(x, w)
+    assert torch.isnan(out[0]).all() and not torch.isfinite(out[2]).any() and torch.isfinite(out[1]).all()
+
+
 @triton.jit
 def _dp4a_kernel_for_test(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)

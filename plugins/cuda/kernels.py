@@ -505,7 +505,10 @@ def _x_int8(xf, BLOCK_K: tl.constexpr):
     xi = tl.floor(xb * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)  # an all-zero block: 0s
     even, odd = tl.split(tl.reshape(xi, (BLOCK_K // 8, 4, 2)))
     shift = (tl.arange(0, 4) * 8)[None, :]  # disjoint bytes: the sums are ORs
-    return (tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), amax / 127.0,
+    # A NaN or inf in a block makes its scale NaN (x * 0 is NaN there only): the output goes NaN as a float dot's
+    # would, rather than the rounding to int8 silently dropping it.
+    scale = amax / 127.0 + tl.sum(xb * 0.0, axis=1)
+    return (tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), scale,
             tl.sum(xi, axis=1).to(tl.float32))
 
 
