@@ -284,6 +284,35 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_d
     assert torch.equal(fused, unfused) and not fused.isnan().any()
 
 
+@pytest.mark.parametrize("contexts", [[127, 44], [3, 200]])
+def test_verify_rows_sharing_programs_equal_one_row_calls(contexts):
+    """Five verify rows a sequence, eight query heads to a kv head (two rows a program, three programs a
+    sequence), rope folded in: each row equals a one-row decode call at its own position, also where the rows'
+    KV slices differ (contexts 128..132 over 4 splits: slices of 32 up to 128, of 64 past it; rows 128 and 129
+    share a program)."""
+    heads, kv_heads, dim, block_size, k1 = 8, 1, 32, 4, 5
+    _, kc, vc, meta = _paged_setup([1] * len(contexts), [c + k1 for c in contexts], heads, kv_heads, dim, block_size)
+    positions = torch.tensor([c + i for c in contexts for i in range(k1)], device=DEV)
+    tables = meta.block_tables.tolist()
+    slots = torch.tensor([tables[j // k1][p // block_size] * block_size + p % block_size
+                          for j, p in enumerate(positions.tolist())], device=DEV)
+    qkv = rand(len(slots), (heads + 2 * kv_heads) * dim)
+    q_norm, k_norm, cos_sin = rand(dim), rand(dim), _rope_table(dim, max(contexts) + k1)
+    kernels = CudaKernels(decode_splits=4)
+
+    def step(rows, k_cache, v_cache):
+        row_meta = AttentionMetadata(
+            slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
+            context_lens=(positions[rows] + 1).to(torch.int32),
+            block_tables=meta.block_tables[[rows[0] // k1]] if len(rows) == 1 else meta.block_tables,
+            max_query_len=1, max_context_len=max(contexts) + k1)
+        return kernels.rope_attention(qkv[rows], q_norm, k_norm, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
+                                      row_meta, 0.2, heads, kv_heads, dim)
+    verify = step(list(range(len(slots))), kc, vc)
+    for i in range(len(slots)):
+        assert torch.equal(step([i], kc.clone(), vc.clone())[0], verify[i]), i
+
+
 def test_attention_reads_fp8_e5m2_cache():
     q, kc, vc, meta = _paged_setup([2, 1], [6, 9], kv_dtype=torch.float8_e5m2)
     ref = REF.attention(q, kc, vc, meta, 0.2)

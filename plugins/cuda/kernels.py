@@ -239,10 +239,12 @@ def _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH: tl.constexp
 
 
 @triton.jit
-def _softmax_update(q, k, v, n, hi, q_pos, scale, acc, m_i, l_i):
-    """One tile of the online softmax: keys k / values v at positions n (those >= hi or after q_pos masked)."""
+def _softmax_update(q, k, v, n, lo, hi, q_pos, scale, acc, m_i, l_i):
+    """One tile of the online softmax: keys k / values v at positions n; those outside lo .. hi or after q_pos are
+    masked (lo, hi: scalars or [BLOCK_M, 1] per query row). A row with no visible key in the tile keeps its state
+    bit for bit, so a row may run through tiles that are not its own."""
     s = _dot(q, tl.trans(k)) * scale
-    s = tl.where((n[None, :] < hi) & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    s = tl.where((n[None, :] >= lo) & (n[None, :] < hi) & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.exp(s - m_safe[:, None])
@@ -253,15 +255,15 @@ def _softmax_update(q, k, v, n, hi, q_pos, scale, acc, m_i, l_i):
 
 
 @triton.jit
-def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, scale,
+def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, row_lo, row_hi, scale,
                     KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, max_blocks, acc, m_i, l_i):
-    """Online softmax of q [BLOCK_M, D] over cached keys lo..hi, continuing from (acc, running max, running
-    sum); q arrives as _as_dot_operand made it."""
+    """Online softmax of q [BLOCK_M, D] over cached keys lo..hi (each row sees row_lo .. row_hi of them, see
+    _softmax_update), continuing from (acc, running max, running sum); q arrives as _as_dot_operand made it."""
     for start in range(lo, hi, BLOCK_N):
         k, v, n = _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
                            max_blocks, q.dtype)
-        acc, m_i, l_i = _softmax_update(q, k, v, n, hi, q_pos, scale, acc, m_i, l_i)
+        acc, m_i, l_i = _softmax_update(q, k, v, n, row_lo, row_hi, q_pos, scale, acc, m_i, l_i)
     return acc, m_i, l_i
 
 
@@ -295,80 +297,107 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
         acc, m_i, l_i = _softmax_start(BLOCK_M, D)
         acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq // rows_per_table, kvh, q_pos, 0, hi,
-                                        scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
+                                        0, hi, scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i,
+                                        l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _new_kv_into_tile(row_ptr, pos, slot, cos, sin, lo, hi, n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache,
+                      H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                      dtype: tl.constexpr):
+    """A qkv row's new key and value, if its position falls in lo .. hi: into the cache and into the first key
+    tile (k0, v0 at positions n0, already read), which are returned."""
+    if (pos >= lo) & (pos < hi) & (slot >= 0):
+        new_k, new_v = _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H, KVH, D,
+                                     1, HAS_NORM, dtype)
+        k0 = tl.where((n0 == pos)[:, None], new_k.to(k0.dtype), k0)
+        v0 = tl.where((n0 == pos)[:, None], new_v.to(v0.dtype), v0)
+    return k0, v0
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks,
                          rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr,
-                         HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                         ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Decode only (one query row each; a block-table row serves rows_per_table consecutive rows): split s of
-    SPLITS covers one slice of the row's context. The slices depend on the context length alone, so a row's
+    SPLITS covers one slice of each row's context. The slices depend on the context length alone, so a row's
     result does not depend on how many other rows the step has.
 
+    A program takes BLOCK_Q consecutive rows of one table row (the rows of a speculative verify step: BLOCK_Q
+    = BLOCK_M // group, so that its query tile has decode's shape) and reads each key tile once for all of
+    them. Slices start at multiples of BLOCK_N, so every row meets its own tiles as a one-row program would,
+    and the tiles outside its slice change nothing (_softmax_update): each row's bits equal a decode row's.
+
     ROPE: q_ptr is the merged qkv rows, and the kernel does what _qkv_rope_store_kernel would have done first
-    (a launch less a layer): q/k norm and rotation, and the new keys and values of its slice into the cache. A
-    verify step's row also needs the new keys of the rows before it in its table group, so it writes those too;
-    programs writing one slot write the same bits. Its first key tile is read before the wait for the producer
-    of qkv (the contexts and tables precede layer 0, the cached keys earlier steps), and the new keys that fall
-    in it are put in by hand."""
-    seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    (a launch less a layer): q/k norm and rotation, and the new keys and values in its slices into the cache,
+    those of the table row's earlier rows included (programs writing one slot write the same bits). Its first
+    key tile is read before the wait for the producer of qkv (the contexts and tables precede layer 0, the
+    cached keys earlier steps), and the new keys that fall in it are put in by hand."""
+    tile, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
-    ctx = tl.load(ctx_ptr + seq)
+    tiles_a_table = tl.cdiv(rows_per_table, BLOCK_Q)
+    table_row = tile // tiles_a_table
+    group_first = table_row * rows_per_table
+    first = group_first + (tile % tiles_a_table) * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, group_first + rows_per_table)  # one past this program's last row
+    r = tl.arange(0, BLOCK_M)
+    row = first + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    ok = (r < BLOCK_Q * GROUP) & (row < last)
+    ctx = tl.load(ctx_ptr + row, mask=ok, other=0)
     chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(ctx, lo + chunk)
-    table_row = seq // rows_per_table
+    row_lo = split * chunk
+    row_hi = tl.minimum(ctx, row_lo + chunk)
+    live = ok & (row_lo < row_hi)
+    hi = tl.max(tl.where(live, row_hi, 0), axis=0)
+    lo = tl.minimum(tl.min(tl.where(live, row_lo, 1 << 30), axis=0), hi)  # the rows' slices together
+    row_lo, row_hi = row_lo[:, None], row_hi[:, None]
     dtype = q_ptr.dtype.element_ty
     if ROPE:
-        # Everything but the qkv row itself is read before the wait: the first key tile, this row's position and
-        # slot (written before layer 0), the norm weights and the position's cos / sin.
+        # Everything but the qkv rows themselves is read before the wait: the first key tile, the rows'
+        # positions and slots (written before layer 0), the norm weights and the positions' cos / sin.
         k0, v0, n0 = _kv_tile(k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
                               max_blocks, dtype)
-        pos = tl.load(pos_ptr + seq)
-        slot = tl.load(slot_ptr + seq)
-        pos_cs = cos_sin_ptr + pos.to(tl.int64) * D
         qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
         kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
-        cos, sin = _cos_sin(pos_cs, D)
+        if BLOCK_Q == 1:  # a decode row: its key's position, slot and cos / sin too
+            own_pos = tl.load(pos_ptr + first)
+            own_slot = tl.load(slot_ptr + first)
+            cos, sin = _cos_sin(cos_sin_ptr + own_pos.to(tl.int64) * D, D)
+        else:
+            pos = tl.load(pos_ptr + row, mask=ok, other=0)
+            cos, sin = _cos_sin(cos_sin_ptr + pos.to(tl.int64)[:, None] * D, D)
     _after_producer(PDL)
-    r = tl.arange(0, BLOCK_M)
-    head = kvh * GROUP + r % GROUP
-    ok = r < GROUP
     d = tl.arange(0, D)
-    q_pos = tl.zeros([BLOCK_M], tl.int32) + ctx - 1
+    q_pos = ctx - 1
     acc, m_i, l_i = _softmax_start(BLOCK_M, D)
     if ROPE:
-        q = _as_dot_operand(_apply_norm_rope(q_ptr + seq * stride_q + head[:, None] * D, qw, qw_swapped, cos, sin,
-                                             eps, ok[:, None], D, HAS_NORM, dtype), k_cache)
+        q = _as_dot_operand(_apply_norm_rope(q_ptr + row[:, None] * stride_q + head[:, None] * D, qw, qw_swapped,
+                                             cos, sin, eps, ok[:, None], D, HAS_NORM, dtype), k_cache)
         k0, v0 = k0.to(q.dtype), v0.to(q.dtype)  # exact: an e5m2 tile read as 16-bit, fp16 for the dots
-        if (pos >= lo) & (pos < hi) & (slot >= 0):
-            new_k, new_v = _store_new_kv(q_ptr + seq * stride_q, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache,
-                                         v_cache, H, KVH, D, 1, HAS_NORM, dtype)
-            k0 = tl.where((n0 == pos)[:, None], new_k.to(q.dtype), k0)
-            v0 = tl.where((n0 == pos)[:, None], new_v.to(q.dtype), v0)
-        for j in range(seq - seq % rows_per_table, seq):  # a verify row: the rows before it in its group
-            pos_j = tl.load(pos_ptr + j)
-            slot_j = tl.load(slot_ptr + j)
-            if (pos_j >= lo) & (pos_j < hi) & (slot_j >= 0):
+        if BLOCK_Q == 1:
+            k0, v0 = _new_kv_into_tile(q_ptr + first * stride_q, own_pos, own_slot, cos, sin, lo, hi, n0, k0, v0,
+                                       kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D, HAS_NORM, dtype)
+        else:
+            for j in range(group_first, last):  # the new keys of this program's rows and of the earlier ones
+                pos_j = tl.load(pos_ptr + j)
                 cos_j, sin_j = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
-                new_k, new_v = _store_new_kv(q_ptr + j * stride_q, kw, kw_swapped, cos_j, sin_j, eps, slot_j, kvh,
-                                             k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype)
-                k0 = tl.where((n0 == pos_j)[:, None], new_k.to(q.dtype), k0)
-                v0 = tl.where((n0 == pos_j)[:, None], new_v.to(q.dtype), v0)
+                k0, v0 = _new_kv_into_tile(q_ptr + j * stride_q, pos_j, tl.load(slot_ptr + j), cos_j, sin_j, lo, hi,
+                                           n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D,
+                                           HAS_NORM, dtype)
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
-        acc, m_i, l_i = _softmax_update(q, k0, v0, n0, hi, q_pos, scale, acc, m_i, l_i)
+        acc, m_i, l_i = _softmax_update(q, k0, v0, n0, row_lo, row_hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
     else:
-        q = _as_dot_operand(tl.load(q_ptr + seq * stride_q + head[:, None] * D + d[None, :], mask=ok[:, None],
-                                    other=0.0), k_cache)
-    acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, table_row, kvh, q_pos, lo, hi, scale, KVH, D,
-                                    BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
-    base = (seq * H + head) * SPLITS + split
+        q = _as_dot_operand(tl.load(q_ptr + row[:, None] * stride_q + head[:, None] * D + d[None, :],
+                                    mask=ok[:, None], other=0.0), k_cache)
+    acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, table_row, kvh, q_pos, lo, hi, row_lo, row_hi,
+                                    scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
+    base = (row * H + head) * SPLITS + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=ok)
     tl.store(ml_ptr + base * 2 + 1, l_i, mask=ok)
@@ -1088,12 +1117,17 @@ class CudaKernels(ReferenceKernels):
         ml = torch.empty(n_rows * heads * splits, 2, dtype=torch.float32, device=q.device)
         q_norm, k_norm, cos_sin, positions, eps = rope or (None, None, part, meta.context_lens, 0.0)
         has_norm = q_norm is not None
-        _decode_split_kernel[(n_rows, kv_heads, splits)](
+        per_table = n_rows // max(meta.block_tables.shape[0], 1)
+        block_m = max(16, _pow2(heads // kv_heads))
+        # Verify rows share programs, as many as decode's query tile holds; a decode row has its own.
+        block_q = min(per_table, max(1, block_m // (heads // kv_heads)))
+        programs = (n_rows // per_table) * triton.cdiv(per_table, block_q)
+        _decode_split_kernel[(programs, kv_heads, splits)](
             q, k_cache, v_cache, part, ml, meta.block_tables, meta.context_lens, scale, meta.block_tables.shape[1],
-            n_rows // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if has_norm else q,
-            k_norm if has_norm else q, cos_sin, positions, meta.slot_mapping, eps, H=heads, KVH=kv_heads, D=dim,
-            BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=SPLIT_BLOCK_N,
-            SPLITS=splits, ROPE=rope is not None, HAS_NORM=has_norm, **self._pdl)
+            per_table, q.stride(0), q_norm if has_norm else q, k_norm if has_norm else q, cos_sin, positions,
+            meta.slot_mapping, eps, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+            BLOCK_N=SPLIT_BLOCK_N, SPLITS=splits, BLOCK_Q=block_q, ROPE=rope is not None, HAS_NORM=has_norm,
+            **self._pdl)
         _decode_reduce_kernel[(n_rows * heads,)](part, ml, out, D=dim, SPLITS=splits, **self._pdl)
         return out
 
