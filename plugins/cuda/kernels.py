@@ -358,8 +358,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     row_lo, row_hi = row_lo[:, None], row_hi[:, None]
     dtype = q_ptr.dtype.element_ty
     if ROPE:
-        # Everything but the qkv rows themselves is read before the wait: the first key tile, the rows'
-        # positions and slots (written before layer 0), the norm weights and the positions' cos / sin.
+        # Read before the wait, as none of it comes from qkv's producer: the first key tile, the rows' positions
+        # (written before layer 0), the norm weights and the positions' cos / sin; a decode row's slot too (verify
+        # rows read theirs in the new-key loop below, where each row's position and cos / sin come from cache).
         k0, v0, n0 = _kv_tile(k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
                               max_blocks, dtype)
         qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
