@@ -497,15 +497,6 @@ def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constex
     return w, s, o
 
 
-@triton.jit
-def _row_dots(w, s, xf, WKIND: tl.constexpr):
-    """W · x for the 16-bit or fp8 rows _load_rows returned, x [BLOCK_K] float32 (zero past K)."""
-    acc = tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
-    if WKIND == 1:
-        acc = acc * s
-    return acc
-
-
 # Int4 rows meet x quantized to int8 in blocks of this many columns (llama.cpp's q8_1 block), so that the nibbles
 # multiply integers four at a time (dp4a) and only each block's sum is scaled.
 X_BLOCK = tl.constexpr(32)
@@ -557,6 +548,18 @@ def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
     x_sums = tl.reshape(x_sums, (GROUPS, PER_GROUP))[None, :, :]
     x_scale = tl.reshape(x_scale, (GROUPS, PER_GROUP))[None, :, :]
     return tl.sum(tl.sum(x_scale * (s[:, :, None] * blocks + o[:, :, None] * x_sums), axis=2), axis=1)
+
+
+@triton.jit
+def _row_dots(w, s, o, x, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W · x for the rows _load_rows returned: x [BLOCK_K] float32 (zero past K), or for int4 rows _x_int8 of it."""
+    if WKIND == 2:
+        acc = _int4_row_dots(w, s, o, x, GROUP, BLOCK_N, BLOCK_K)
+    else:
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if WKIND == 1:
+            acc = acc * s
+    return acc
 
 
 @triton.jit
@@ -623,26 +626,18 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
             xf = (xf * rms * nw).to(dtype).to(tl.float32)
             if TWO:
                 xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
-        if WKIND == 2:
-            xq = _x_int8(xf, BLOCK_K)
-            acc = _int4_row_dots(w, s, o, xq, GROUP, BLOCK_N, BLOCK_K)
-            if TWO:
-                xqb = _x_int8(xfb, BLOCK_KB)
-                acc += _int4_row_dots(wb, sb, ob, xqb, GROUP, BLOCK_N, BLOCK_KB)
-        else:
-            acc = _row_dots(w, s, xf, WKIND)
-            if TWO:
-                acc += _row_dots(wb, sb, xfb, WKIND)
+        if WKIND == 2:  # rounded to int8 once a row piece, for gate and up alike
+            xf = _x_int8(xf, BLOCK_K)
+        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+        if TWO:
+            if WKIND == 2:
+                xfb = _x_int8(xfb, BLOCK_KB)
+            acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
         acc = acc.to(dtype)
         if SILU:
-            if WKIND == 2:
-                up = _int4_row_dots(w_up, s_up, o_up, xq, GROUP, BLOCK_N, BLOCK_K)
-                if TWO:
-                    up += _int4_row_dots(w_upb, s_upb, o_upb, xqb, GROUP, BLOCK_N, BLOCK_KB)
-            else:
-                up = _row_dots(w_up, s_up, xf, WKIND)
-                if TWO:
-                    up += _row_dots(w_upb, s_upb, xfb, WKIND)
+            up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+            if TWO:
+                up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
             gate = acc.to(tl.float32)
             acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
