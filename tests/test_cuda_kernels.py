@@ -241,6 +241,13 @@ def test_verify_rows_attend_as_decode_rows(splits):
     assert torch.equal(kernels.attention(q[6:7], kc, vc, one, 0.2)[0], rows[6])
 
 
+def _verify_slots(positions, block_tables, rows_per_table, block_size):
+    """The cache slot of each verify row's position: rows_per_table consecutive rows share a table row."""
+    tables = block_tables.tolist()
+    return torch.tensor([tables[j // rows_per_table][p // block_size] * block_size + p % block_size
+                         for j, p in enumerate(positions.tolist())], device=DEV)
+
+
 def _rope_table(dim, positions):
     angles = torch.outer(torch.arange(float(positions)), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     return torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
@@ -259,9 +266,7 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_d
     contexts = [5, 33, 170]
     _, kc, vc, meta = _paged_setup([1, 1, 1], contexts, heads, kv_heads, dim, block_size, kv_dtype)
     positions = torch.tensor([c - group + i for c in contexts for i in range(group)], device=DEV)
-    tables = meta.block_tables.tolist()
-    slots = torch.tensor([tables[j // group][p // block_size] * block_size + p % block_size
-                          for j, p in enumerate(positions.tolist())], device=DEV)
+    slots = _verify_slots(positions, meta.block_tables, group, block_size)
     slots[1 if group > 1 else 0] = -1  # a padded row writes nothing
     rows_meta = AttentionMetadata(
         slot_mapping=slots, query_start=torch.arange(len(slots) + 1, dtype=torch.int32, device=DEV),
@@ -293,9 +298,7 @@ def test_verify_rows_sharing_programs_equal_one_row_calls(contexts):
     heads, kv_heads, dim, block_size, k1 = 8, 1, 32, 4, 5
     _, kc, vc, meta = _paged_setup([1] * len(contexts), [c + k1 for c in contexts], heads, kv_heads, dim, block_size)
     positions = torch.tensor([c + i for c in contexts for i in range(k1)], device=DEV)
-    tables = meta.block_tables.tolist()
-    slots = torch.tensor([tables[j // k1][p // block_size] * block_size + p % block_size
-                          for j, p in enumerate(positions.tolist())], device=DEV)
+    slots = _verify_slots(positions, meta.block_tables, k1, block_size)
     qkv = rand(len(slots), (heads + 2 * kv_heads) * dim)
     q_norm, k_norm, cos_sin = rand(dim), rand(dim), _rope_table(dim, max(contexts) + k1)
     kernels = CudaKernels(decode_splits=4)
