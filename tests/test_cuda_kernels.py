@@ -450,10 +450,53 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypat
     for i in range(rows):
         one, one_res = kernels.norm_linear(x[i : i + 1], res[i : i + 1], w_norm, 1e-6, w, silu=True)
         assert torch.equal(one[0], many[i]) and torch.equal(one_res[0], many_res[i])
-    wide = rand(300, k, scale=0.1)  # the vocabulary projection: no norm, plain rows
-    kernels.gemv_wide = True
-    assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], kernels.linear(x, wide)[i]) for i in range(rows))
 
+
+@pytest.mark.parametrize("rows", [5, 20])
+def test_row_invariant_graphs_put_the_vocabulary_projection_through_16_row_skinny_tiles(rows, monkeypatch):
+    """The vocabulary projection (wider than the GEMV takes) of a row-invariant graph runs the skinny GEMM in
+    16-row tiles whatever the row count, so each row equals a one-row call (20 rows: two tiles); elsewhere it
+    stays on cuBLAS."""
+    monkeypatch.setattr(kernels_module, "GEMV_MAX_N", 256)
+    tiles = []
+    skinny = CudaKernels.skinny_gemm
+    monkeypatch.setattr(CudaKernels, "skinny_gemm", lambda self, x, w, config=None: tiles.append(
+        self.row_invariant) or skinny(self, x, w, config))
+    x, wide = rand(rows, 64), rand(300, 64, scale=0.1)
+    kernels = CudaKernels()
+    kernels.linear(x, wide)
+    assert tiles == []
+    kernels.row_invariant = True
+    many = kernels.linear(x, wide)
+    assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], many[i]) for i in range(rows))
+    assert tiles == [True] * (rows + 1) and nmse(many, x.float() @ wide.float().T) < 1e-4
+
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+@pytest.mark.parametrize("row_block", [1, 2])
+def test_gemv_skips_dead_rows_that_have_programs_of_their_own(kind, row_block, monkeypatch):
+    """With live (a decode-only step's context lengths), live rows get the bits of a call without it; where rows
+    have programs of their own, a dead row's program writes nothing (its output and residual rows keep what the
+    buffers held); where they share programs every row is computed, and a dead one (NaN in its x) cannot disturb
+    a live one."""
+    monkeypatch.setattr(kernels_module, "gemv_row_block", lambda rows, n_out, k: row_block)
+    w = torch.randn(2 * 24, 576) * 0.1
+    w = (w.to(torch.bfloat16) if kind == "bf16" else int4_quantize(w, group_size=32)).to(DEV)
+    x, res, w_norm = rand(5, 576), rand(5, 576), rand(576)
+    live = torch.tensor([7, 8, 0, 0, 0], dtype=torch.int32, device=DEV)
+    x[2:] = float("nan")
+    kernels = CudaKernels()
+    kernels.gemv_max_rows = 5
+    want, want_res = kernels.norm_linear(x, res, w_norm, 1e-6, w, silu=True)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))  # what unwritten rows keep
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty(t.shape, dtype=t.dtype, device=t.device).fill_(-7))
+    got, got_res = kernels.norm_linear(x, res, w_norm, 1e-6, w, silu=True, live=live)
+    assert torch.equal(got[:2], want[:2]) and torch.equal(got_res[:2], want_res[:2])
+    untouched = slice(2, 5) if row_block == 1 else slice(5, 5)
+    assert (got[untouched] == -7).all() and (got_res[untouched] == -7).all()
+    assert (got[2:] == -7).sum() == got[untouched].numel() and not (want[untouched] == -7).any()
 
 def test_gemv_row_pieces_follow_the_weight():
     """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +

@@ -21,18 +21,19 @@ def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch
     """The last layer's output and the residual stream before it, [T, hidden] each: the final norm is left to
     the kernel after it (the vocabulary projection can take it in its prologue)."""
     cfg, eps = model.config, model.config.rms_norm_eps
+    live = live_rows(meta)
     hidden = kernels.embedding(input_ids, model.embed)
     residual = None
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-        qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv)
+        qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
                                       v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        out = kernels.linear(attn.flatten(1), layer.o)
+        out = kernels.linear(attn.flatten(1), layer.o, live=live)
         act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True,
-                                            feeds=layer.down)
-        hidden = kernels.linear(act, layer.down)
+                                            feeds=layer.down, live=live)
+        hidden = kernels.linear(act, layer.down, live=live)
     return hidden, residual
 
 
@@ -46,3 +47,9 @@ def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, 
 def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor):
     """16-bit logits of forward_unnormed's output, the final norm in the projection's prologue."""
     return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
+
+
+def live_rows(meta: AttentionMetadata) -> torch.Tensor | None:
+    """A decode-only step's context lengths, which are 0 exactly for the rows that compute nothing (a verify
+    step's rows past its drafts, a bucket's padding): the projections skip those rows. None for other steps."""
+    return meta.context_lens if meta.max_query_len == 1 else None

@@ -159,12 +159,13 @@ def _apply_norm_rope(src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HA
 @triton.jit
 def _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H: tl.constexpr,
                   KVH: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
-                  dtype: tl.constexpr):
+                  dtype: tl.constexpr, ok=True):
     """Rotated keys and the values of kv heads kvh .. kvh + BLOCK_KV (< KVH) of one qkv row, into cache slot;
-    returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _head_norm_weight and _cos_sin."""
+    returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _head_norm_weight and _cos_sin. ok False:
+    nothing is read or stored."""
     h = kvh + tl.arange(0, BLOCK_KV)[:, None]
     d = tl.arange(0, D)[None, :]
-    m = h < KVH
+    m = (h < KVH) & ok
     k = _apply_norm_rope(row_ptr + (H + h) * D, kw, kw_swapped, cos, sin, eps, m, D, HAS_NORM, dtype)
     cdt = k_cache.dtype.element_ty
     dst = slot * KVH * D + h * D + d
@@ -318,11 +319,47 @@ def _new_kv_into_tile(row_ptr, pos, slot, cos, sin, lo, hi, n0, k0, v0, kw, kw_s
 
 
 @triton.jit
+def _new_kvs_into_tile(qkv_ptr, stride, first, last, pos_ptr, slot_ptr, pos, slot, cos_sin_ptr, lo, hi, n0, k0, v0,
+                       kw, kw_swapped, eps, kvh, k_cache, v_cache, H: tl.constexpr, KVH: tl.constexpr,
+                       D: tl.constexpr, HAS_NORM: tl.constexpr, NEW_ROWS: tl.constexpr, dtype: tl.constexpr):
+    """_new_kv_into_tile for the qkv rows first .. last (<= first + NEW_ROWS; pos and slot: theirs, -1 past last).
+    Each row is roped as one [1, D] tile, as a decode row's own key is (the same bits, q/k norm included); the
+    tile positions they land on then read back what was stored (the barrier makes this program's stores visible
+    to all its threads). Without q/k norm the rows are unrolled, masked, so that their loads and stores overlap
+    rather than chain row after row; with it a row that puts no key in is skipped instead, as its norm's
+    reduction costs more than the overlap gains (H200, Qwen3 shape, a verify step with no drafts: +45 us)."""
+    if HAS_NORM:
+        for j in range(first, last):
+            pos_j = tl.load(pos_ptr + j)
+            slot_j = tl.load(slot_ptr + j)
+            if (slot_j >= 0) & (pos_j >= lo) & (pos_j < hi):
+                cos, sin = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
+                _store_new_kv(qkv_ptr + j * stride, kw, kw_swapped, cos, sin, eps, slot_j, kvh, k_cache, v_cache, H,
+                              KVH, D, 1, HAS_NORM, dtype)
+    else:
+        for r in tl.static_range(NEW_ROWS):
+            j = first + r + tl.zeros([1], tl.int32)  # [1]: the interpreter takes tensor masks only
+            pos_j = tl.load(pos_ptr + j, mask=j < last, other=-1)
+            slot_j = tl.load(slot_ptr + j, mask=j < last, other=-1)
+            cos, sin = _cos_sin(cos_sin_ptr + tl.maximum(pos_j, 0).to(tl.int64) * D, D)
+            _store_new_kv(qkv_ptr + j * stride, kw, kw_swapped, cos, sin, eps, slot_j, kvh, k_cache, v_cache, H, KVH,
+                          D, 1, HAS_NORM, dtype, ok=(slot_j >= 0) & (pos_j >= lo) & (pos_j < hi))
+    new = (slot >= 0) & (pos >= lo) & (pos < hi)
+    # The slot each tile position's new key went to (positions of one sequence's rows differ), else -1.
+    landed = tl.max(tl.where((n0[:, None] == pos[None, :]) & new[None, :], slot[None, :], -1), axis=1)[:, None]
+    tl.debug_barrier()
+    src = landed * KVH * D + kvh * D + tl.arange(0, D)[None, :]
+    k0 = tl.where(landed >= 0, tl.load(k_cache + src, mask=landed >= 0, other=0.0).to(k0.dtype), k0)
+    v0 = tl.where(landed >= 0, tl.load(v_cache + src, mask=landed >= 0, other=0.0).to(v0.dtype), v0)
+    return k0, v0
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks,
                          rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                         ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                         NEW_ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Decode only (one query row each; a block-table row serves rows_per_table consecutive rows): split s of
     SPLITS covers one slice of each row's context. The slices depend on the context length alone, so a row's
     result does not depend on how many other rows the step has.
@@ -334,9 +371,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
 
     ROPE: q_ptr is the merged qkv rows, and the kernel does what _qkv_rope_store_kernel would have done first
     (a launch less a layer): q/k norm and rotation, and the new keys and values in its slices into the cache,
-    those of the table row's earlier rows included (programs writing one slot write the same bits). Its first
-    key tile is read before the wait for the producer of qkv (the contexts and tables precede layer 0, the
-    cached keys earlier steps), and the new keys that fall in it are put in by hand."""
+    those of the table row's earlier rows included (programs writing one slot write the same bits; NEW_ROWS:
+    rows_per_table as a power of two). Its first key tile is read before the wait for the producer of qkv (the
+    contexts and tables precede layer 0, the cached keys earlier steps), and the new keys that fall in it are put
+    in by hand."""
     tile, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = H // KVH
     tiles_a_table = tl.cdiv(rows_per_table, BLOCK_Q)
@@ -372,6 +410,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         else:
             pos = tl.load(pos_ptr + row, mask=ok, other=0)
             cos, sin = _cos_sin(cos_sin_ptr + pos.to(tl.int64)[:, None] * D, D)
+            # The new keys of the table row's rows up to this program's last: only a program whose slices hold
+            # one of them puts any in (a step's rows past its drafts have none).
+            new_row = group_first + tl.arange(0, NEW_ROWS)
+            new_pos = tl.load(pos_ptr + new_row, mask=new_row < last, other=-1)
+            new_slot = tl.load(slot_ptr + new_row, mask=new_row < last, other=-1)
+            puts_keys = tl.max(((new_slot >= 0) & (new_pos >= lo) & (new_pos < hi)).to(tl.int32), axis=0) > 0
     _after_producer(PDL)
     d = tl.arange(0, D)
     q_pos = ctx - 1
@@ -383,13 +427,10 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         if BLOCK_Q == 1:
             k0, v0 = _new_kv_into_tile(q_ptr + first * stride_q, own_pos, own_slot, cos, sin, lo, hi, n0, k0, v0,
                                        kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D, HAS_NORM, dtype)
-        else:
-            for j in range(group_first, last):  # the new keys of this program's rows and of the earlier ones
-                pos_j = tl.load(pos_ptr + j)
-                cos_j, sin_j = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
-                k0, v0 = _new_kv_into_tile(q_ptr + j * stride_q, pos_j, tl.load(slot_ptr + j), cos_j, sin_j, lo, hi,
-                                           n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D,
-                                           HAS_NORM, dtype)
+        elif puts_keys:  # the new keys of this program's rows and of the earlier ones, all at once
+            k0, v0 = _new_kvs_into_tile(q_ptr, stride_q, group_first, last, pos_ptr, slot_ptr, new_pos, new_slot,
+                                        cos_sin_ptr, lo, hi, n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache,
+                                        H, KVH, D, HAS_NORM, NEW_ROWS, dtype)
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
         acc, m_i, l_i = _softmax_update(q, k0, v0, n0, row_lo, row_hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
@@ -575,10 +616,10 @@ def _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES: tl.cons
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, ROWS, K, N_OUT,
-                      eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, WKIND: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
-                      ROW_BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, live_ptr, ROWS,
+                      K, N_OUT, eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
+                      WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_KB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIVE: tl.constexpr, PDL: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
     Program (n block, row block) holds BLOCK_N rows of W and the norm weight (read before the wait for the
@@ -590,11 +631,18 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
     n-block 0 programs write the new residual; the others only read the old one, so the output buffer must differ
     from the input. Weights are read as WKIND says (see _load_rows); int4 rows meet x as int8 blocks (_x_int8),
     as llama.cpp's quantized GEMVs do: per-row numerics, so row invariance holds for them as for the others.
+    LIVE (ROW_BLOCK 1): a row whose live_ptr entry (its context length) is 0, a verify step's row past its drafts
+    or a bucket's padding row, is not computed: nothing reads it, and its output and residual rows are left as
+    they were, so a step costs the rows it really has.
     """
     pid, first_row = tl.program_id(0), tl.program_id(1) * ROW_BLOCK
     TWO: tl.constexpr = BLOCK_KB > 0
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
+    if LIVE:  # gates the rows' work only: the weight reads below must not wait for this load
+        go = tl.load(live_ptr + first_row) != 0
+    else:
+        go = True
     w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
     if TWO:
         wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N, BLOCK_KB)
@@ -613,34 +661,35 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
             nwb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
     _after_producer(PDL)
     dtype = out_ptr.dtype.element_ty
-    for i in tl.static_range(ROW_BLOCK):
-        row = first_row + i
-        xf = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES, dtype)
-        if TWO:
-            xfb = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, kb, pid, HAS_RES, dtype)
-        if HAS_NORM:
-            sum_sq = tl.sum(xf * xf, axis=0)
+    if go:
+        for i in tl.static_range(ROW_BLOCK):
+            row = first_row + i
+            xf = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES, dtype)
             if TWO:
-                sum_sq += tl.sum(xfb * xfb, axis=0)
-            rms = tl.rsqrt(sum_sq / K + eps)
-            xf = (xf * rms * nw).to(dtype).to(tl.float32)
+                xfb = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, kb, pid, HAS_RES, dtype)
+            if HAS_NORM:
+                sum_sq = tl.sum(xf * xf, axis=0)
+                if TWO:
+                    sum_sq += tl.sum(xfb * xfb, axis=0)
+                rms = tl.rsqrt(sum_sq / K + eps)
+                xf = (xf * rms * nw).to(dtype).to(tl.float32)
+                if TWO:
+                    xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
+            if WKIND == 2:  # rounded to int8 once a row piece, for gate and up alike
+                xf = _x_int8(xf, BLOCK_K)
+            acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
             if TWO:
-                xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
-        if WKIND == 2:  # rounded to int8 once a row piece, for gate and up alike
-            xf = _x_int8(xf, BLOCK_K)
-        acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
-        if TWO:
-            if WKIND == 2:
-                xfb = _x_int8(xfb, BLOCK_KB)
-            acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
-        acc = acc.to(dtype)
-        if SILU:
-            up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
-            if TWO:
-                up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
-            gate = acc.to(tl.float32)
-            acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
+                if WKIND == 2:
+                    xfb = _x_int8(xfb, BLOCK_KB)
+                acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+            acc = acc.to(dtype)
+            if SILU:
+                up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+                if TWO:
+                    up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+                gate = acc.to(tl.float32)
+                acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+            tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
 
 
 @triton.jit
@@ -994,8 +1043,10 @@ class CudaKernels(ReferenceKernels):
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
-        # ... and has the vocabulary projection go through the GEMV too, so that it is row-invariant as well.
-        self.gemv_wide = False
+        # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
+        # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
+        # five rows vs 22 for one; see skinny_gemm).
+        self.row_invariant = False
         # Programmatic dependent launch: each kernel's programs start while the previous kernel drains, and the
         # GEMVs stream their weights meanwhile (a batch-1 step is ~200 short kernels; see _after_producer).
         use = pdl_supported() if pdl is None else pdl
@@ -1122,8 +1173,8 @@ class CudaKernels(ReferenceKernels):
             q, k_cache, v_cache, part, ml, meta.block_tables, meta.context_lens, scale, meta.block_tables.shape[1],
             per_table, q.stride(0), q_norm if has_norm else q, k_norm if has_norm else q, cos_sin, positions,
             meta.slot_mapping, eps, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-            BLOCK_N=SPLIT_BLOCK_N, SPLITS=splits, BLOCK_Q=block_q, ROPE=rope is not None, HAS_NORM=has_norm,
-            **self._pdl)
+            BLOCK_N=SPLIT_BLOCK_N, SPLITS=splits, BLOCK_Q=block_q, NEW_ROWS=_pow2(per_table),
+            ROPE=rope is not None, HAS_NORM=has_norm, **self._pdl)
         _decode_reduce_kernel[(n_rows * heads,)](part, ml, out, D=dim, SPLITS=splits, **self._pdl)
         return out
 
@@ -1137,17 +1188,18 @@ class CudaKernels(ReferenceKernels):
         return out
 
     def _gemv_route(self, x, w) -> bool:
-        """Whether x @ w.T goes through the register GEMV. cuBLAS streams wide 16-bit outputs (the vocabulary
-        projection) well unless the graph wants row-invariance; quantized ones only we can read."""
-        wide_ok = w.shape[0] <= GEMV_MAX_N or not isinstance(w, torch.Tensor) or self.gemv_wide
+        """Whether x @ w.T goes through the register GEMV. Wide 16-bit outputs (the vocabulary projection) do not:
+        cuBLAS streams them well, or the skinny GEMM where the graph wants row-invariance; quantized ones only we
+        can read."""
+        wide_ok = w.shape[0] <= GEMV_MAX_N or not isinstance(w, torch.Tensor)
         return self.register_gemv and self._gemv_fits(x, w) and wide_ok
 
-    def linear(self, x, w: Weight, bias=None):
-        """x @ w.T (+ bias); x may be Fp8Rows when _takes_fp8_rows(x, w) said so."""
+    def linear(self, x, w: Weight, bias=None, live=None):
+        """x @ w.T (+ bias); x may be Fp8Rows when _takes_fp8_rows(x, w) said so. live: see gemv."""
         if isinstance(x, Fp8Rows):
             out = self.skinny_gemm(x, w) if self._skinny_fits(x, w) else self._fp8_linear(x, w)
         elif self._gemv_route(x, w):
-            out = self.gemv(x, w)
+            out = self.gemv(x, w, live=live)
         elif self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
         elif isinstance(w, Int4Weight):
@@ -1160,23 +1212,28 @@ class CudaKernels(ReferenceKernels):
 
     def _skinny_fits(self, x, w) -> bool:
         """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M), and 16-bit ones
-        unless skinny_dense is off."""
+        unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too."""
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
-        return (x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N and x.shape[1] % 16 == 0
+        small = x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N
+        return ((small or self.row_invariant) and x.shape[1] % 16 == 0
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and (dense or isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3"))
 
     def skinny_gemm(self, x, w: Weight, config=None) -> torch.Tensor:
-        """x @ W.T for up to SKINNY_MAX_ROWS rows; fp8 W meets per-token fp8 x, a 16-bit W meets x as is."""
+        """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
+        a 16-bit W meets x as is."""
         rows, k = x.shape
         n = w.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         kind, data, scales, _, _ = self._weight_kind(w)
         x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
-        block_n, block_k, stages, split_k = config or skinny_config(n, k, rows)
+        # Row-invariant graphs: one tile shape (16 rows, the mma's) and configuration whatever the row count, so
+        # each row's products are summed in a one-row call's order.
+        tile_rows = 16 if self.row_invariant else rows
+        block_n, block_k, stages, split_k = config or skinny_config(n, k, tile_rows)
         if k % (split_k * block_k):
             split_k = 1
-        block_m = max(16, _pow2(rows))
+        block_m = max(16, _pow2(tile_rows))
         grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split_k)
         parts, counts = (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1],
                                                                               x.device)
@@ -1247,16 +1304,18 @@ class CudaKernels(ReferenceKernels):
                                             **self._pdl)
         return q, scale
 
-    def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None):
+    def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None,
+                    live=None):
         """rmsnorm(x + residual) -> linear (-> silu-and-mul when w is merged gate/up): (out, new residual).
 
         residual None means x is the residual stream itself (the first layer). Batches of up to gemv_max_rows
         rows run as one fused GEMV (any weight kind); anything else as the separate kernels, the norm (and with
         feeds, the weight the silu output goes to, the SiLU) writing per-token fp8 rows when the projection after
-        it takes them.
+        it takes them. live: see gemv (the separate kernels compute every row).
         """
         if self._gemv_route(x, w):
-            return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True)
+            return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True,
+                             live=live)
         if self._takes_fp8_rows(x, w):
             normed, residual = self.add_rmsnorm_fp8(x, residual, norm_w, eps)
         elif residual is None:
@@ -1288,8 +1347,11 @@ class CudaKernels(ReferenceKernels):
             return w.per_channel
         return w.dtype == x.dtype
 
-    def gemv(self, x, w, residual=None, norm_w=None, eps=0.0, silu=False, with_residual=False, config=None):
-        """Few-row x @ w.T as one Triton pass over w, optionally with the add+rmsnorm prologue / silu epilogue."""
+    def gemv(self, x, w, residual=None, norm_w=None, eps=0.0, silu=False, with_residual=False, config=None,
+             live=None):
+        """Few-row x @ w.T as one Triton pass over w, optionally with the add+rmsnorm prologue / silu epilogue.
+        live: [rows] ints, 0 where a row's result is not needed: where rows have programs of their own (small
+        weights), those rows are skipped and their output and residual rows left as they are."""
         rows, k = x.shape
         n_out = w.shape[0] // 2 if silu else w.shape[0]
         out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
@@ -1298,11 +1360,15 @@ class CudaKernels(ReferenceKernels):
         kind, data, scales, offsets, group = self._weight_kind(w)
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k, kind)
         row_block = gemv_row_block(rows, w.shape[0], k)
+        # Only rows with programs of their own can be skipped: in shared programs the check cost a Qwen3 bf16
+        # batch-1 decode step 17 us and saved nothing.
+        live = live if row_block == 1 and rows > 1 else None
         block_k, block_kb = gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
-            rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb, ROW_BLOCK=row_block, num_warps=warps, **self._pdl)
+            x if live is None else live, rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res,
+            SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
+            ROW_BLOCK=row_block, LIVE=live is not None, num_warps=warps, **self._pdl)
         return (out, res_out) if with_residual else out
 
     def decode_inputs(self, positions, live, tables, block_size):
