@@ -50,8 +50,8 @@ SPEC_CHUNK_STEPS = 8
 # Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here: tokens the
 # engine took from a round trip's look-ahead over the wall time until the next round trip (the host's share
 # included; rounds with a graph capture excluded). What a verify step costs against a decode step depends on the
-# model, the batch and the GPU, and what it yields on the text. The losing kind is retried after SPEC_RETRY round
-# trips, then twice as many, up to SPEC_MAX_RETRY.
+# model, the batch and the GPU, and what it yields on the text. The losing kind is retried (for two round trips)
+# after SPEC_RETRY round trips, then twice as many, up to SPEC_MAX_RETRY.
 SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
 RATE_SMOOTHING = 0.5
 _SEED_MASK = (1 << 62) - 1
@@ -98,7 +98,8 @@ class CudaGraphRunner(ModelRunner):
         self._ahead: _Lookahead | None = None
         # The chunk queued after _ahead's: ("decode", (graph, steps)) or ("spec", (graph key, steps)).
         self._in_flight: tuple[str, tuple] | None = None
-        self._spec_next = False  # the kind chooser, asked while queueing, wants a spec chunk for the next round
+        # The kind the chooser, asked while queueing, picked for the round after a chunk it queued nothing behind.
+        self._next_kind: str | None = None
         self.use_graphs = self.use_graphs and bool(self.buckets)
         # Spec chunks for batches up to spec_max_batch (row-invariant buckets, so their tokens are decode's).
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
@@ -110,6 +111,7 @@ class CudaGraphRunner(ModelRunner):
         self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
+        self.probe_left, self.probe_spec = 0, False  # a retry's second round, and its kind
         self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
         self.spec_totals = np.zeros(SPEC_STAT_FIELDS + profile.spec_tokens, dtype=np.int64)  # see _spec_accept_kernel
         if self.use_graphs:
@@ -160,16 +162,17 @@ class CudaGraphRunner(ModelRunner):
             if cached is not None:
                 return None, cached
             self._in_flight = None
-            self._close_round()
+            self._close_round(counted=False)  # nothing was queued behind it: the host's share did not overlap
             if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
-                spec = self._spec_possible(batch) and (self._spec_next or self._spec_chunk_wanted(batch))
-                self._spec_next = False
+                wanted = self._next_kind == "spec" if self._next_kind else self._spec_chunk_wanted(batch)
+                spec = self._spec_possible(batch) and wanted
+                self._next_kind = None
                 if spec:
                     rows = self._spec_chunk(batch)
                     if rows is not None:
                         return None, rows
                 return None, self._decode(batch)
-        self._close_round()
+        self._close_round(counted=False)
         self._ahead, self._in_flight = None, None
         return super().run(batch)
 
@@ -198,7 +201,7 @@ class CudaGraphRunner(ModelRunner):
         def queue_next():
             following = self._chunk_steps(batch, done=steps)
             if following > 0 and self.spec_rows and self._spec_chunk_wanted(batch):  # each chunk is a round
-                self._spec_next, following = True, 0
+                self._next_kind, following = "spec", 0
             self._in_flight = ("decode", (graph, following)) if following > 0 else None
             if self._in_flight:
                 # The engine grew the tables since the last upload. (Should the copy for the chunk before still
@@ -305,9 +308,9 @@ class CudaGraphRunner(ModelRunner):
 
     def _row_invariant(self, bucket: int) -> bool:
         """Graphs of this bucket compute each row the same way whatever the step's row count (the register GEMV
-        for every projection and the vocabulary, attention per row), with or without speculation: a verify step
-        then reproduces decode's numbers bit for bit, so 16-bit speculative decoding is token-identical to plain
-        decoding. Up to spec_max_batch sequences, where speculation runs at all."""
+        for every projection, the skinny GEMM's 16-row tiles for the vocabulary, attention per row), with or
+        without speculation: a verify step then reproduces decode's numbers bit for bit, so 16-bit speculative
+        decoding is token-identical to plain decoding. Up to spec_max_batch sequences, where speculation runs."""
         return bucket <= self.profile.spec_max_batch
 
     @contextmanager
@@ -317,11 +320,11 @@ class CudaGraphRunner(ModelRunner):
         kernels = self.kernels
         kernels.decode_splits = self._splits(bucket)
         if self._row_invariant(bucket):
-            kernels.gemv_max_rows, kernels.gemv_wide = max(GEMV_MAX_ROWS, bucket * query_rows), True
+            kernels.gemv_max_rows, kernels.row_invariant = max(GEMV_MAX_ROWS, bucket * query_rows), True
         try:
             yield
         finally:
-            kernels.decode_splits, kernels.gemv_max_rows, kernels.gemv_wide = 1, GEMV_MAX_ROWS, False
+            kernels.decode_splits, kernels.gemv_max_rows, kernels.row_invariant = 1, GEMV_MAX_ROWS, False
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
         reserved = torch.cuda.memory_reserved(self.device)
@@ -384,18 +387,26 @@ class CudaGraphRunner(ModelRunner):
         winning = spec >= decode
         if winning != self.spec_winning:
             self.spec_winning, self.retry_next = winning, SPEC_RETRY
+        if self.probe_left:
+            self.probe_left -= 1
+            return self.probe_spec
         if self.retry_wait:
             self.retry_wait -= 1
             return winning
+        # The losing kind, for two rounds (the first has the second queued behind it, so its rate counts): the
+        # text or the batch may have changed.
         self.retry_wait, self.retry_next = self.retry_next, min(2 * self.retry_next, SPEC_MAX_RETRY)
-        return not winning  # the losing kind, once: the text or the batch may have changed
+        self.probe_left, self.probe_spec = 1, not winning
+        return not winning
 
-    def _close_round(self) -> None:
+    def _close_round(self, counted: bool = True) -> None:
         """The last look-ahead is spent: its kind's rate is the tokens the engine took from it over the time since
-        it began."""
+        it began. Only a round with a chunk queued behind it counts (counted): in one without, the engine's share
+        of the time ran with the GPU idle, which steady rounds of either kind overlap (the last round of each run
+        of a kind is one, so counting it favoured the kind running, and a one-round retry never won)."""
         ahead, round_ = self._ahead, self._round
         self._round = None
-        if ahead is None or round_ is None or self.graph_captures != round_[2]:  # compile time says nothing
+        if not counted or ahead is None or round_ is None or self.graph_captures != round_[2]:  # nor compile time
             return
         taken = sum(min(max(seq.num_computed - start, 0), len(column))
                     for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens))
@@ -445,6 +456,8 @@ class CudaGraphRunner(ModelRunner):
                 self._grant_slots(batch)
                 self._replay_spec(key, following)
                 self._in_flight = ("spec", (key, following))
+            elif following:
+                self._next_kind = "decode"
 
         hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end], meanwhile=queue_next)
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
