@@ -116,8 +116,11 @@ def decode_run(llm: LLM, prompt: list[int], gen_len: int, ignore_eos: bool) -> t
 
 
 def bench_method(args, loaded, method: str) -> list[dict]:
+    # No prefix cache: a repeat would prefill only the uncached tail of its prompt, which rounds differently in
+    # 16 bits and so decodes other tokens; without it every run of a prompt decodes the same tokens, and the
+    # fastest run of each method times the same text.
     llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile,
-              spec_tokens=args.spec_tokens, **METHODS[method])
+              spec_tokens=args.spec_tokens, prefix_caching=False, **METHODS[method])
     prompts = prompt_sets(llm, random_weights=bool(args.shape))
     common = {
         "machine": machine_name(llm.engine.model.device), "backend": llm.info.backend,
@@ -129,13 +132,13 @@ def bench_method(args, loaded, method: str) -> list[dict]:
     rows = []
     for kind, kind_prompts in prompts.items():
         before = llm.engine.spec_stats()
-        seconds, tokens, outputs = 0.0, 0, []
+        seconds, tokens, outputs, per_prompt = 0.0, 0, [], []
         for prompt in kind_prompts:
             runs = [decode_run(llm, prompt, args.gen_len, args.ignore_eos) for _ in range(args.repeats)]
-            best = min(runs, key=lambda r: r[0])
+            best = min(runs, key=lambda r: r[0] / max(r[1], 1))
             seconds, tokens = seconds + best[0], tokens + best[1]
-            # The first run's tokens: later repeats find the prompt in the prefix cache, and a 16-bit prefill of
-            # only the uncached tail rounds differently (in every method), so only like runs compare.
+            per_prompt.append({"decode_s": round(best[0], 5), "tokens": best[1], "same_tokens_every_run":
+                               all(r[2] == runs[0][2] for r in runs)})
             outputs.append(runs[0][2])
         after = llm.engine.spec_stats()
         drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
@@ -149,7 +152,7 @@ def bench_method(args, loaded, method: str) -> list[dict]:
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
             # Share of verify steps whose draft at position i was accepted (vLLM's per-position acceptance).
             "acceptance_per_position": [round(n / drafts, 4) for n in per_position] if drafts else [],
-            "outputs": outputs,
+            "per_prompt": per_prompt, "outputs": outputs,
         })
     return rows
 
@@ -194,8 +197,6 @@ def main(argv=None):
         if base and not r["same_output_as_none"]:  # where each prompt's tokens part (None: identical)
             r["first_difference"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                      for a, b in zip(r["outputs"], base["outputs"])]
-    for r in rows:
-        del r["outputs"]
     table = Table(title=f"speculative decoding, batch 1 · {rows[0]['machine']} · {rows[0]['model']}")
     for col in ("prompts", "method", "decode tok/s", "× none", "verify steps", "accept rate", "mean accept len",
                 "lossless"):
