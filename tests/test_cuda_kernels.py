@@ -472,7 +472,6 @@ def test_row_invariant_graphs_put_the_vocabulary_projection_through_16_row_skinn
     assert tiles == [True] * (rows + 1) and nmse(many, x.float() @ wide.float().T) < 1e-4
 
 
-
 @pytest.mark.parametrize("kind", ["bf16", "int4"])
 @pytest.mark.parametrize("row_block", [1, 2])
 def test_gemv_skips_dead_rows_that_have_programs_of_their_own(kind, row_block, monkeypatch):
@@ -497,6 +496,7 @@ def test_gemv_skips_dead_rows_that_have_programs_of_their_own(kind, row_block, m
     untouched = slice(2, 5) if row_block == 1 else slice(5, 5)
     assert (got[untouched] == -7).all() and (got_res[untouched] == -7).all()
     assert (got[2:] == -7).sum() == got[untouched].numel() and not (want[untouched] == -7).any()
+
 
 def test_gemv_row_pieces_follow_the_weight():
     """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +

@@ -171,6 +171,41 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_le
     assert not runner._spec_chunk_wanted(batch) and not fixed._spec_chunk_wanted(batch)
 
 
+
+def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behind_count(tiny_random, monkeypatch):
+    """When a spec chunk queues nothing behind it because the chooser wants decode, the next round decodes (the
+    chooser is not asked again, which could answer the other way); a round that ended with nothing queued behind
+    it leaves the rates alone, one that had a chunk behind it sets its kind's rate."""
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
+    seq.block_table, seq.num_computed = list(range(4)), 5
+    batch = [ScheduledSeq(seq, 1, 1)]
+    monkeypatch.setattr(CudaGraphRunner, "_to_host", lambda self, tokens, host, meanwhile=None: (
+        meanwhile and meanwhile(), host.copy_(tokens).numpy())[1])
+    monkeypatch.setattr(CudaGraphRunner, "_spec_chunk_wanted", lambda self, batch: False)
+    runner._read_spec(batch, (1, True, "spec"), 2, [6])  # its queue_next asks the chooser: decode
+    assert runner._next_kind == "decode" and runner._in_flight is None
+    ran = []
+    monkeypatch.setattr(CudaGraphRunner, "_spec_chunk_wanted", lambda self, batch: True)  # asked again: spec
+    monkeypatch.setattr(CudaGraphRunner, "_decode", lambda self, batch: ran.append("decode") or torch.zeros(1))
+    monkeypatch.setattr(CudaGraphRunner, "_spec_chunk", lambda self, batch: ran.append("spec") or torch.zeros(1))
+    runner.run(batch)
+    assert ran == ["decode"] and runner._next_kind is None
+    runner.run(batch)  # no retry pending: the chooser decides
+    assert ran == ["decode", "spec"]
+
+    def round_of(kind):
+        runner._ahead = _Lookahead([seq], [seq.num_computed - 4], [np.arange(8)])
+        runner._round = (kind, 0.0, runner.graph_captures)
+    round_of("decode")
+    runner._close_round(counted=False)
+    assert runner.chunk_rates == {"decode": 0.0, "spec": 0.0}
+    round_of("decode")
+    runner._close_round()
+    assert runner.chunk_rates["decode"] > 0 and runner.chunk_rates["spec"] == 0.0
+
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
