@@ -1,7 +1,8 @@
 """The decoder forward pass on the fused CUDA kernels: six launches a layer in a small-batch decode step.
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
-prologue of the projection after it (the final one in the vocabulary projection's, see logits_of), q/k norm + rope
+prologue of the projection after it (the final one too where the vocabulary projection is a GEMV: quantized
+heads; a 16-bit head is the skinny GEMM or cuBLAS after a norm pass, see logits_of), q/k norm + rope
 + the KV-cache write ride in the attention kernel (or are one pass before it), and SiLU-and-mul rides in the
 gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV,
 down GEMV).
@@ -45,7 +46,8 @@ def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, 
 
 
 def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor):
-    """16-bit logits of forward_unnormed's output, the final norm in the projection's prologue."""
+    """16-bit logits of forward_unnormed's output; the final norm rides in the projection's prologue where that is
+    the register GEMV, else (16-bit heads) it is a pass of its own before the skinny GEMM or cuBLAS."""
     return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
 
 
