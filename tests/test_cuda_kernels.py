@@ -289,18 +289,20 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_d
     assert torch.equal(fused, unfused) and not fused.isnan().any()
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("contexts", [[127, 44], [3, 200]])
-def test_verify_rows_sharing_programs_equal_one_row_calls(contexts):
+def test_verify_rows_sharing_programs_equal_one_row_calls(contexts, qk_norm):
     """Five verify rows a sequence, eight query heads to a kv head (two rows a program, three programs a
-    sequence), rope folded in: each row equals a one-row decode call at its own position, also where the rows'
-    KV slices differ (contexts 128..132 over 4 splits: slices of 32 up to 128, of 64 past it; rows 128 and 129
-    share a program)."""
+    sequence), rope folded in, with q/k norm (Qwen3: the new keys a row at a time) and without (Llama: unrolled):
+    each row equals a one-row decode call at its own position, also where the rows' KV slices differ (contexts
+    128..132 over 4 splits: slices of 32 up to 128, of 64 past it; rows 128 and 129 share a program)."""
     heads, kv_heads, dim, block_size, k1 = 8, 1, 32, 4, 5
     _, kc, vc, meta = _paged_setup([1] * len(contexts), [c + k1 for c in contexts], heads, kv_heads, dim, block_size)
     positions = torch.tensor([c + i for c in contexts for i in range(k1)], device=DEV)
     slots = _verify_slots(positions, meta.block_tables, k1, block_size)
     qkv = rand(len(slots), (heads + 2 * kv_heads) * dim)
-    q_norm, k_norm, cos_sin = rand(dim), rand(dim), _rope_table(dim, max(contexts) + k1)
+    q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
+    cos_sin = _rope_table(dim, max(contexts) + k1)
     kernels = CudaKernels(decode_splits=4)
 
     def step(rows, k_cache, v_cache):
