@@ -28,6 +28,13 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
 
 
+def _cpu_runner(tiny_random, block_size=4, profile=NGRAM):
+    """A CUDA graph runner over the tiny model on the CPU (32 KV blocks, fp32): its host-side logic, no graphs run."""
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+                         torch.float32)
+    return CudaGraphRunner.for_profile(profile)(model, 32, block_size, torch.float32)
+
+
 def _prefilled(runner, prompts):
     """Sequences whose prompts are in `runner`'s KV cache, each with its first token appended."""
     seqs = []
@@ -83,19 +90,15 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
 
 
 def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    runner = _cpu_runner(tiny_random)
     assert runner.drafts_itself and runner.spec_stats()["drafts"] == 0
-    mtp = CudaGraphRunner.for_profile(NGRAM.overridden(spec="mtp"))(model, 32, 4, torch.float32)
+    mtp = _cpu_runner(tiny_random, profile=NGRAM.overridden(spec="mtp"))
     assert not mtp.use_graphs and not mtp.drafts_itself  # MTP drafts from hidden states: eager, engine drafts
     assert mtp.spec_stats() is None
 
 
 def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    runner = _cpu_runner(tiny_random, block_size=8)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(2)), 5
     batch = [ScheduledSeq(seq, 1, 1)]
@@ -111,9 +114,7 @@ def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
 
 
 def test_spec_chunks_take_the_steps_the_wanted_tokens_need_at_the_recent_yield(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    runner = _cpu_runner(tiny_random, block_size=8)
     seqs = [Sequence(list(range(6)), SamplingParams(max_tokens=n)) for n in (100, 10)]
     batch = [ScheduledSeq(s, 1, 1) for s in seqs]
     assert runner._spec_steps(batch) == SPEC_CHUNK_STEPS  # nothing measured: one token a step, a whole chunk
@@ -134,9 +135,7 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
         self.graphs[key] = object()
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 8, torch.float32)
+    runner = _cpu_runner(tiny_random, block_size=8)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
@@ -149,9 +148,7 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    runner = _cpu_runner(tiny_random)
     batch = [ScheduledSeq(Sequence(list(range(6)), SamplingParams()), 1, 1)]
     assert runner._spec_chunk_wanted(batch)  # nothing measured: a spec chunk first
     runner.chunk_rates["spec"] = 300.0
@@ -163,7 +160,7 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_le
     runner.chunk_rates["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
     choices = [runner._spec_chunk_wanted(batch) for _ in range(12)]
     assert choices.count(True) <= 1 and not choices[-1]
-    fixed = CudaGraphRunner.for_profile(NGRAM.overridden(spec_adaptive=False))(model, 32, 4, torch.float32)
+    fixed = _cpu_runner(tiny_random, profile=NGRAM.overridden(spec_adaptive=False))
     fixed.chunk_rates.update(spec=100.0, decode=200.0)
     assert all(fixed._spec_chunk_wanted(batch) for _ in range(20))  # not adaptive: always speculate
     assert not runner._spec_possible(batch * (runner.spec_rows + 1))  # past the spec buckets: never, even if asked
@@ -176,9 +173,7 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     """When a spec chunk queues nothing behind it because the chooser wants decode, the next round decodes (the
     chooser is not asked again, which could answer the other way); a round that ended with nothing queued behind
     it leaves the rates alone, one that had a chunk behind it sets its kind's rate."""
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    runner = _cpu_runner(tiny_random)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     batch = [ScheduledSeq(seq, 1, 1)]
@@ -207,9 +202,7 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     assert runner.chunk_rates["decode"] > 0 and runner.chunk_rates["spec"] == 0.0
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    runner = _cpu_runner(tiny_random)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.num_computed = 5  # the chunk started at position 5 and produced the tokens at positions 6..9
     runner._ahead = _Lookahead([seq], [5], [np.array([50, 51, 52, 53])])
