@@ -318,6 +318,40 @@ def test_verify_rows_sharing_programs_equal_one_row_calls(contexts, qk_norm):
         assert torch.equal(step([i], kc.clone(), vc.clone())[0], verify[i]), i
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("live", [1, 2])
+def test_verify_rows_past_the_drafts_attend_to_nothing(heads, kv_heads, live):
+    """A verify step's rows past its drafts (context 0, no slot) come out zero and write no keys; the live rows
+    equal one-row decode calls. With a sequence's own token its only live row, its program runs as a decode row
+    (3 query heads a kv head: one program a sequence; 8: three, and the later ones have no live row at all)."""
+    dim, block_size, k1, contexts = 32, 4, 5, [40, 7]
+    _, kc, vc, meta = _paged_setup([1, 1], [c + k1 for c in contexts], heads, kv_heads, dim, block_size)
+    positions = torch.tensor([c + i for c in contexts for i in range(k1)], device=DEV)
+    alive = torch.tensor([i < live for _ in contexts for i in range(k1)], device=DEV)
+    slots = torch.where(alive, _verify_slots(positions, meta.block_tables, k1, block_size), -1)
+    context_lens = torch.where(alive, positions + 1, 0).to(torch.int32)
+    positions = torch.where(alive, positions, 0)  # as _spec_draft_kernel leaves a dead row
+    qkv, cos_sin = rand(len(slots), (heads + 2 * kv_heads) * dim), _rope_table(dim, max(contexts) + k1)
+    kernels = CudaKernels(decode_splits=4)
+
+    def step(rows, k_cache, v_cache):
+        row_meta = AttentionMetadata(
+            slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
+            context_lens=context_lens[rows], max_query_len=1, max_context_len=max(contexts) + k1,
+            block_tables=meta.block_tables[[rows[0] // k1]] if len(rows) == 1 else meta.block_tables)
+        return kernels.rope_attention(qkv[rows], None, None, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
+                                      row_meta, 0.2, heads, kv_heads, dim)
+    caches, one_row_caches = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    verify = step(list(range(len(slots))), *caches)
+    live_rows = alive.nonzero().flatten().tolist()
+    for i in live_rows:
+        step([i], *one_row_caches)
+    assert torch.equal(caches[0], one_row_caches[0]) and torch.equal(caches[1], one_row_caches[1])
+    for i in live_rows:
+        assert torch.equal(step([i], caches[0].clone(), caches[1].clone())[0], verify[i]), i
+    assert (verify[~alive] == 0).all() and not verify.isnan().any()
+
+
 def test_attention_reads_fp8_e5m2_cache():
     q, kc, vc, meta = _paged_setup([2, 1], [6, 9], kv_dtype=torch.float8_e5m2)
     ref = REF.attention(q, kc, vc, meta, 0.2)
@@ -541,6 +575,30 @@ def test_spec_accept_counts_only_steps_that_carried_drafts():
     cap = torch.tensor([8, 8], device=DEV)
     n_draft = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
     stats = torch.zeros(2, kernels_module.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
-    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, k)
+    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, no_stops(2), k)
     assert stats.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 2, 1, 1, 0]]
     assert ntok.tolist() == [4, 5] and hist[0, 3].item() == 5 and hist[1, 3:5].tolist() == [8, 9]
+
+
+def no_stops(rows):
+    return torch.full((rows, kernels_module.SPEC_STOP_IDS), -1, dtype=torch.int64, device=DEV)
+
+
+def test_spec_accept_ends_a_row_at_its_stop_token():
+    """The samples extend the history up to the row's first stop token, which ends the row (cap = history length:
+    the chunk's later steps skip it); accepted drafts past it do not count. A row without that stop token, or
+    with no stop tokens (ignore_eos), takes every accepted draft."""
+    k = 3
+    sampled = torch.tensor([7, 8, 2, 9] * 3, device=DEV)  # each row: drafts 7, 8, 2 accepted, then 9; 2 is EOS
+    ids = torch.tensor([1, 7, 8, 2] * 3, device=DEV)
+    hist = torch.zeros(3, 16, dtype=torch.int64, device=DEV)
+    ntok, cap = torch.tensor([4, 4, 4], device=DEV), torch.tensor([16, 16, 16], device=DEV)
+    n_draft = torch.tensor([3, 3, 3], dtype=torch.int32, device=DEV)
+    stats = torch.zeros(3, kernels_module.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
+    stops = no_stops(3)
+    stops[0, :2] = torch.tensor([0, 2])
+    stops[1, 0] = 5  # a stop token the row does not sample
+    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, stops, k)
+    assert ntok.tolist() == [7, 8, 8] and cap.tolist() == [7, 16, 16]
+    assert hist[0, 4:8].tolist() == [7, 8, 2, 0] and hist[1, 4:8].tolist() == [7, 8, 2, 9]
+    assert stats[0].tolist() == [1, 1, 3, 2, 1, 1, 0] and stats[1].tolist() == [1, 1, 3, 3, 1, 1, 1]

@@ -89,6 +89,36 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     assert produced == expected
 
 
+def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_random):
+    """With a token the chunk produces as an EOS id, the device history ends at its first occurrence and the
+    chunk's later steps leave the finished row alone (no tokens, no steps counted); a request that ignores EOS, or
+    whose stop_token_ids name it, is treated as the engine would."""
+    motif = [5, 9, 14, 3, 8, 21, 7]
+    prompt = motif * 4 + motif[:3]
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
+                         torch.float32)
+
+    def chunk(eos_ids=frozenset(), **params):
+        runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+        runner.eos_ids = frozenset(eos_ids)
+        [seq] = _prefilled(runner, [prompt])
+        seq.params = SamplingParams(max_tokens=20, **params)
+        seq.block_table = list(range(16))
+        [start] = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1)
+        for _ in range(3):
+            runner._spec_body(1, greedy=True)
+        stops = runner.host_stops[0].tolist()
+        return runner.dev_hist[0, start : int(runner.dev_spec[0, 0])].tolist(), int(runner.dev_spec_stats[0, 0]), stops
+
+    free, _, stops = chunk(eos_ids={3, 1}, stop_token_ids=[9, 3], ignore_eos=True)
+    assert stops == [-1] * len(stops)  # ignore_eos: the device stops at nothing
+    stop = free[1]  # reached by the second step at the latest
+    stopped, steps, stops = chunk(eos_ids={stop}, stop_token_ids=[stop + 1, stop])
+    assert stopped == free[: free.index(stop) + 1] and steps < 3
+    assert stops[:2] == [stop, stop + 1] and stops[2:] == [-1] * (len(stops) - 2)  # EOS first, each once
+    assert chunk(stop_token_ids=[stop])[0] == stopped
+
+
 def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
     runner = _cpu_runner(tiny_random)
     assert runner.drafts_itself and runner.spec_stats()["drafts"] == 0
@@ -147,26 +177,27 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
     assert captured[2:] == [(2, True, "decode")]
 
 
-def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried_less_and_less(tiny_random):
+def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random):
+    """A losing spec is retried after 8 round trips, then 16, 32 (the text may turn copyable); a losing decode only
+    every 128 (its rate does not depend on the text). Rates are kept per batch size."""
     runner = _cpu_runner(tiny_random)
     batch = [ScheduledSeq(Sequence(list(range(6)), SamplingParams()), 1, 1)]
     assert runner._spec_chunk_wanted(batch)  # nothing measured: a spec chunk first
-    runner.chunk_rates["spec"] = 300.0
+    runner.rates_of(1)["spec"] = 300.0
     assert not runner._spec_chunk_wanted(batch)  # then plain decoding
-    runner.chunk_rates["decode"] = 200.0
-    choices = [runner._spec_chunk_wanted(batch) for _ in range(40)]
-    losers = [i for i, spec in enumerate(choices) if not spec]
-    assert losers == [0, 1, 10, 11, 28, 29]  # decode retried for two round trips after 8, then 16
-    runner.chunk_rates["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
-    choices = [runner._spec_chunk_wanted(batch) for _ in range(12)]
-    assert choices.count(True) <= 1 and not choices[-1]
+    runner.rates_of(1)["decode"] = 200.0
+    choices = [runner._spec_chunk_wanted(batch) for _ in range(300)]
+    assert [i for i, spec in enumerate(choices) if not spec] == [128, 129, 258, 259]  # two round trips each
+    runner.rates_of(1)["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
+    choices = [runner._spec_chunk_wanted(batch) for _ in range(60)]
+    assert [i for i, spec in enumerate(choices) if spec] == [8, 9, 26, 27]
+    assert runner._spec_chunk_wanted(batch * 2)  # batches of two: nothing measured yet, a spec chunk first
     fixed = _cpu_runner(tiny_random, profile=NGRAM.overridden(spec_adaptive=False))
-    fixed.chunk_rates.update(spec=100.0, decode=200.0)
+    fixed.rates_of(1).update(spec=100.0, decode=200.0)
     assert all(fixed._spec_chunk_wanted(batch) for _ in range(20))  # not adaptive: always speculate
     assert not runner._spec_possible(batch * (runner.spec_rows + 1))  # past the spec buckets: never, even if asked
     batch[0].seq.spec_enabled = False
     assert not runner._spec_chunk_wanted(batch) and not fixed._spec_chunk_wanted(batch)
-
 
 
 def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behind_count(tiny_random, monkeypatch):
@@ -196,10 +227,11 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
         runner._round = (kind, 0.0, runner.graph_captures)
     round_of("decode")
     runner._close_round(counted=False)
-    assert runner.chunk_rates == {"decode": 0.0, "spec": 0.0}
+    assert runner.rates_of(1) == {"decode": 0.0, "spec": 0.0}
     round_of("decode")
     runner._close_round()
-    assert runner.chunk_rates["decode"] > 0 and runner.chunk_rates["spec"] == 0.0
+    assert runner.rates_of(1)["decode"] > 0 and runner.rates_of(1)["spec"] == 0.0 and not runner.rates_of(2)["decode"]
+
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
     runner = _cpu_runner(tiny_random)

@@ -55,6 +55,7 @@ class LLMEngine:
             profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
             runner_drafts=self.runner.drafts_itself)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+        self.runner.eos_ids = frozenset(self.eos_ids)
 
     def _kv_dtype(self) -> torch.dtype:
         name = self.profile.kv_cache_dtype

@@ -28,6 +28,9 @@ class ModelRunner:
     # KV slots the engine keeps allocated past each decoding sequence's end, for a runner that runs steps ahead of
     # the engine (CUDA: chunks of decode or verify steps) to fill.
     lookahead_tokens = 0
+    # The model's end-of-sequence tokens (the engine sets them): a runner that runs steps ahead may stop a sequence
+    # at one on its own.
+    eos_ids: frozenset[int] = frozenset()
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
         cfg = model.config

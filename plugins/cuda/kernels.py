@@ -376,21 +376,59 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     contexts and tables precede layer 0, the cached keys earlier steps), and the new keys that fall in it are put
     in by hand."""
     tile, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    GROUP: tl.constexpr = H // KVH
     tiles_a_table = tl.cdiv(rows_per_table, BLOCK_Q)
     table_row = tile // tiles_a_table
     group_first = table_row * rows_per_table
     first = group_first + (tile % tiles_a_table) * BLOCK_Q
     last = tl.minimum(first + BLOCK_Q, group_first + rows_per_table)  # one past this program's last row
+    if BLOCK_Q == 1 or HAS_NORM:  # with q/k norm the verify rows' new keys go a row at a time, skipping dead rows
+        _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
+            qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
+            H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL,
+            ONE_ROW=BLOCK_Q == 1)
+    else:
+        # A verify step's rows past its drafts have context 0. When the table row's own token is this program's
+        # only live row (a step without drafts), it runs as a decode row (its bits are a decode row's either way),
+        # without the verify rows' loads and new-key loop; so does a program with no live row (its rows' keys are
+        # the earlier programs' to write). H200, captured K = 4 verify step without drafts: SmolLM2 461 -> 409 us;
+        # with q/k norm (Qwen3) 1,346 -> 1,339 for +24 with drafts, so not there.
+        rows = first + tl.arange(0, NEW_ROWS)
+        ctx = tl.load(ctx_ptr + rows, mask=rows < last, other=0)
+        later_dead = tl.max(tl.where(rows > first, ctx, 0), axis=0) == 0
+        first_dead = tl.max(tl.where(rows == first, ctx, 0), axis=0) == 0
+        if later_dead & ((first == group_first) | first_dead):
+            _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
+                qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
+                H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL, ONE_ROW=True)
+        else:
+            _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
+                qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
+                H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL, ONE_ROW=False)
+
+
+@triton.jit
+def _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q, qn_ptr,
+                   kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
+                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   NEW_ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
+                   ONE_ROW: tl.constexpr):
+    """_decode_split_kernel's work for rows first .. last - 1; ONE_ROW: row `first` alone attends (as decode), the
+    others' results are stored empty (no keys: the reduce gives them zeros)."""
+    GROUP: tl.constexpr = H // KVH
     r = tl.arange(0, BLOCK_M)
     row = first + r // GROUP
     head = kvh * GROUP + r % GROUP
-    ok = (r < BLOCK_Q * GROUP) & (row < last)
-    ctx = tl.load(ctx_ptr + row, mask=ok, other=0)
+    ok = (r < BLOCK_Q * GROUP) & (row < last)  # the rows this program stores
+    if ONE_ROW and BLOCK_Q > 1:
+        ok_q = ok & (r < GROUP)  # the rows that attend
+    else:
+        ok_q = ok
+    ctx = tl.load(ctx_ptr + row, mask=ok_q, other=0)
     chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     row_lo = split * chunk
     row_hi = tl.minimum(ctx, row_lo + chunk)
-    live = ok & (row_lo < row_hi)
+    live = ok_q & (row_lo < row_hi)
     hi = tl.max(tl.where(live, row_hi, 0), axis=0)
     lo = tl.minimum(tl.min(tl.where(live, row_lo, 1 << 30), axis=0), hi)  # the rows' slices together
     row_lo, row_hi = row_lo[:, None], row_hi[:, None]
@@ -403,12 +441,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
                               max_blocks, dtype)
         qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
         kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
-        if BLOCK_Q == 1:  # a decode row: its key's position, slot and cos / sin too
+        if ONE_ROW:  # a decode row: its key's position, slot and cos / sin too
             own_pos = tl.load(pos_ptr + first)
             own_slot = tl.load(slot_ptr + first)
             cos, sin = _cos_sin(cos_sin_ptr + own_pos.to(tl.int64) * D, D)
         else:
-            pos = tl.load(pos_ptr + row, mask=ok, other=0)
+            pos = tl.load(pos_ptr + row, mask=ok_q, other=0)
             cos, sin = _cos_sin(cos_sin_ptr + pos.to(tl.int64)[:, None] * D, D)
             # The new keys of the table row's rows up to this program's last: only a program whose slices hold
             # one of them puts any in (a step's rows past its drafts have none).
@@ -422,9 +460,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     acc, m_i, l_i = _softmax_start(BLOCK_M, D)
     if ROPE:
         q = _as_dot_operand(_apply_norm_rope(q_ptr + row[:, None] * stride_q + head[:, None] * D, qw, qw_swapped,
-                                             cos, sin, eps, ok[:, None], D, HAS_NORM, dtype), k_cache)
+                                             cos, sin, eps, ok_q[:, None], D, HAS_NORM, dtype), k_cache)
         k0, v0 = k0.to(q.dtype), v0.to(q.dtype)  # exact: an e5m2 tile read as 16-bit, fp16 for the dots
-        if BLOCK_Q == 1:
+        if ONE_ROW:
             k0, v0 = _new_kv_into_tile(q_ptr + first * stride_q, own_pos, own_slot, cos, sin, lo, hi, n0, k0, v0,
                                        kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D, HAS_NORM, dtype)
         elif puts_keys:  # the new keys of this program's rows and of the earlier ones, all at once
@@ -436,7 +474,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         lo += BLOCK_N
     else:
         q = _as_dot_operand(tl.load(q_ptr + row[:, None] * stride_q + head[:, None] * D + d[None, :],
-                                    mask=ok[:, None], other=0.0), k_cache)
+                                    mask=ok_q[:, None], other=0.0), k_cache)
     acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, table_row, kvh, q_pos, lo, hi, row_lo, row_hi,
                                     scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
     base = (row * H + head) * SPLITS + split
@@ -830,6 +868,9 @@ def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, o
 # A spec row's counters (_spec_accept_kernel) before its per-position ones: verify steps, steps with drafts, drafted,
 # accepted.
 SPEC_STAT_FIELDS = 4
+# Tokens a spec row stops at on the device (its EOS and stop tokens; -1 pads): past one, the chunk's remaining
+# steps find the row finished, and a step with every row finished costs ~0.7 of a decode step, not ~1.3.
+SPEC_STOP_IDS = 8
 
 
 @triton.jit
@@ -897,13 +938,14 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
 
 
 @triton.jit
-def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, hist_stride,
-                        STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                        PDL: tl.constexpr):
+def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, stop_ptr,
+                        hist_stride, STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr,
+                        CHUNKS: tl.constexpr, STOPS: tl.constexpr, PDL: tl.constexpr):
     """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
-    accepted drafts and the token after them) extend the history. stats[j]: steps, steps with drafts (a history
-    with no n-gram to copy verifies none), drafted, accepted, then the accepted count at each draft position.
-    CHUNKS > 0: sampled_ptr holds argmax_keys' keys (a greedy step)."""
+    accepted drafts and the token after them) extend the history, up to the first of the row's stop tokens
+    (stop_ptr[j]), which also ends the row (cap). stats[j]: steps, steps with drafts (a history with no n-gram to
+    copy verifies none), drafted, accepted (drafts that became tokens), then the accepted count at each draft
+    position. CHUNKS > 0: sampled_ptr holds argmax_keys' keys (a greedy step)."""
     _after_producer(PDL)
     j = tl.program_id(0)
     n_draft = tl.load(n_draft_ptr + j)
@@ -920,16 +962,20 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
         draft = tl.load(ids_ptr + j * (K + 1) + r + 1, mask=r < K, other=0)
         miss = (r >= n_draft) | (draft != sampled)
         n_acc = tl.min(tl.where(miss, r, Q_BLOCK), axis=0)
-        take = tl.minimum(n_acc + 1, cap - ntok)
+        stops = tl.load(stop_ptr + j * STOPS + tl.arange(0, STOPS))
+        is_stop = tl.max((sampled[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
+        first_stop = tl.min(tl.where(is_stop, r, Q_BLOCK), axis=0)
+        take = tl.minimum(tl.minimum(n_acc, first_stop) + 1, cap - ntok)
         tl.store(hist_ptr + j * hist_stride + ntok + r, sampled, mask=r < take)
         tl.store(ntok_ptr + j, ntok + take)
+        tl.store(cap_ptr + j, tl.where(first_stop < take, ntok + take, cap))
         stats = stats_ptr + j * (STAT_FIELDS + K)
         tl.store(stats, tl.load(stats) + 1)
         tl.store(stats + 1, tl.load(stats + 1) + (n_draft > 0))
         tl.store(stats + 2, tl.load(stats + 2) + n_draft)
-        tl.store(stats + 3, tl.load(stats + 3) + n_acc)
+        tl.store(stats + 3, tl.load(stats + 3) + take - 1)
         per_position = stats + STAT_FIELDS + r
-        tl.store(per_position, tl.load(per_position, mask=r < K, other=0) + (r < n_acc), mask=r < K)
+        tl.store(per_position, tl.load(per_position, mask=r < K, other=0) + (r < take - 1), mask=r < K)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1390,11 +1436,12 @@ class CudaKernels(ReferenceKernels):
             tables.stride(0), K=k, Q_BLOCK=_pow2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_SIZE=block_size,
             SCAN=1024, **self._pdl)
 
-    def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, k: int) -> None:
-        """sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step."""
-        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, hist.stride(0),
-                                              STAT_FIELDS=SPEC_STAT_FIELDS, K=k,
-                                              Q_BLOCK=_pow2(k + 1), CHUNKS=_key_chunks(sampled), **self._pdl)
+    def spec_accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops, k: int) -> None:
+        """sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step;
+        stops: [rows, SPEC_STOP_IDS] each row's stop tokens, -1 padded."""
+        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, stops, hist.stride(0),
+                                              STAT_FIELDS=SPEC_STAT_FIELDS, K=k, Q_BLOCK=_pow2(k + 1),
+                                              CHUNKS=_key_chunks(sampled), STOPS=stops.shape[1], **self._pdl)
 
     def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
         """[rows, chunks] packed (logit, index) maxima of chunks of each row; decode_advance finishes the argmax."""

@@ -40,18 +40,21 @@ from flashnext.core.spec.decoder import SpecStats
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
 
 from .forward import forward, forward_unnormed, logits_of
-from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS
+from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
 SPLIT_MIN_PROGRAMS = 256
 # Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
 SPEC_CHUNK_STEPS = 8
-# Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here: tokens the
-# engine took from a round trip's look-ahead over the wall time until the next round trip (the host's share
-# included; rounds with a graph capture excluded). What a verify step costs against a decode step depends on the
-# model, the batch and the GPU, and what it yields on the text. The losing kind is retried (for two round trips)
-# after SPEC_RETRY round trips, then twice as many, up to SPEC_MAX_RETRY.
+# Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here per batch
+# size: tokens the engine took from a round trip's look-ahead over the wall time until the next round trip (the
+# host's share included; rounds with a graph capture excluded). What a verify step costs against a decode step
+# depends on the model, the batch and the GPU, and what it yields on the text. The losing kind is retried (for two
+# round trips): a losing spec after SPEC_RETRY round trips, then twice as many, up to SPEC_MAX_RETRY, as the text
+# may have turned copyable; a losing decode only after SPEC_MAX_RETRY, as its rate does not depend on the text
+# (retrying it as often cost ~80-token copy-heavy requests 12% of their speed: 32 decode steps among ~4 spec round
+# trips).
 SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
 RATE_SMOOTHING = 0.5
 _SEED_MASK = (1 << 62) - 1
@@ -108,9 +111,10 @@ class CudaGraphRunner(ModelRunner):
         spec_ahead = 2 * SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
         self.drafts_itself = bool(self.spec_rows)
-        self.chunk_rates = {"decode": 0.0, "spec": 0.0}  # tokens per second, smoothed; 0 until measured
+        self.chunk_rates: dict[int, dict[str, float]] = {}  # batch size: kind: tokens per second, smoothed
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
-        self.retry_wait, self.retry_next, self.spec_winning = 0, SPEC_RETRY, True
+        self.retry_wait, self.retry_next = 0, SPEC_RETRY
+        self.spec_winning: bool | None = None  # which kind the rates favoured when last asked (None: not yet)
         self.probe_left, self.probe_spec = 0, False  # a retry's second round, and its kind
         self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
         self.spec_totals = np.zeros(SPEC_STAT_FIELDS + profile.spec_tokens, dtype=np.int64)  # see _spec_accept_kernel
@@ -149,6 +153,8 @@ class CudaGraphRunner(ModelRunner):
             self.dev_spec = self.host_spec.to(dev)
             self.dev_spec_stats = self.host_spec_stats.to(dev)
             self.dev_n_draft = torch.zeros(r, dtype=torch.int32, device=dev)
+            self.host_stops = torch.full((r, SPEC_STOP_IDS), -1, dtype=torch.int64, **pinned)
+            self.dev_stops = self.host_stops.to(dev)
         self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self.copy_done = torch.cuda.Event() if cuda else None
 
@@ -381,23 +387,30 @@ class CudaGraphRunner(ModelRunner):
             return False
         if not self.profile.spec_adaptive:  # speculation never pauses
             return True
-        spec, decode = self.chunk_rates["spec"], self.chunk_rates["decode"]
-        if not spec or not decode:
-            return not spec  # measure both kinds first
-        winning = spec >= decode
-        if winning != self.spec_winning:
-            self.spec_winning, self.retry_next = winning, SPEC_RETRY
+        rates = self.rates_of(len(batch))
+        if not rates["spec"] or not rates["decode"]:
+            return not rates["spec"]  # measure both kinds first
+        winning = rates["spec"] >= rates["decode"]
+        if winning != self.spec_winning:  # the first retry of the new loser comes after its first wait
+            self.spec_winning = winning
+            self.retry_wait, self.retry_next = (SPEC_MAX_RETRY, SPEC_RETRY) if winning else (SPEC_RETRY, 2 * SPEC_RETRY)
         if self.probe_left:
             self.probe_left -= 1
             return self.probe_spec
         if self.retry_wait:
             self.retry_wait -= 1
             return winning
-        # The losing kind, for two rounds (the first has the second queued behind it, so its rate counts): the
-        # text or the batch may have changed.
-        self.retry_wait, self.retry_next = self.retry_next, min(2 * self.retry_next, SPEC_MAX_RETRY)
+        # The losing kind, for two rounds (the first has the second queued behind it, so its rate counts).
+        if winning:
+            self.retry_wait = SPEC_MAX_RETRY
+        else:
+            self.retry_wait, self.retry_next = self.retry_next, min(2 * self.retry_next, SPEC_MAX_RETRY)
         self.probe_left, self.probe_spec = 1, not winning
         return not winning
+
+    def rates_of(self, rows: int) -> dict[str, float]:
+        """The measured rates of both kinds of round trip for batches of `rows` (0 until measured)."""
+        return self.chunk_rates.setdefault(rows, {"decode": 0.0, "spec": 0.0})
 
     def _close_round(self, counted: bool = True) -> None:
         """The last look-ahead is spent: its kind's rate is the tokens the engine took from it over the time since
@@ -411,9 +424,9 @@ class CudaGraphRunner(ModelRunner):
         taken = sum(min(max(seq.num_computed - start, 0), len(column))
                     for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens))
         if taken:
-            kind, old = round_[0], self.chunk_rates[round_[0]]
-            rate = taken / (time.perf_counter() - round_[1])
-            self.chunk_rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
+            rates, kind = self.rates_of(len(ahead.seqs)), round_[0]
+            rate, old = taken / (time.perf_counter() - round_[1]), rates[kind]
+            rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
@@ -505,15 +518,26 @@ class CudaGraphRunner(ModelRunner):
             rows = slice(j * q, (j + 1) * q)
             ints[4, rows] = seq.params.top_k
             floats[:, rows] = ((seq.params.temperature,), (seq.params.top_p,))
+            self._fill_stops(j, seq)
             starts.append(n)
         width = max(starts)
         self.dev_hist[:bucket, :width].copy_(self.host_hist[:bucket, :width], non_blocking=True)
+        self.dev_stops[:bucket].copy_(self.host_stops[:bucket], non_blocking=True)
         self.dev_spec[:, :bucket].copy_(self.host_spec[:, :bucket], non_blocking=True)
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
         self._upload_tables(batch)
         return starts
+
+    def _fill_stops(self, row: int, seq: Sequence) -> None:
+        """The tokens the device ends row `row` at: the engine's stop tokens for seq (EOS first), as many as fit.
+        Any the device misses the engine still stops at; the device only saves the chunk's steps past them."""
+        own = sorted(set(seq.params.stop_token_ids) - self.eos_ids)
+        stops = ([] if seq.params.ignore_eos else sorted(self.eos_ids) + own)[:SPEC_STOP_IDS]
+        host = self.host_stops.numpy()
+        host[row] = -1
+        host[row, : len(stops)] = stops
 
     def _spec_body(self, rows: int, greedy: bool) -> None:
         """One device verify step of a spec chunk: draft, verify K + 1 rows a sequence (as decode rows), accept."""
@@ -538,7 +562,7 @@ class CudaGraphRunner(ModelRunner):
             sampled = k.argmax_keys(logits)
         else:
             sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
-        k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], q - 1)
+        k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], self.dev_stops[:rows], q - 1)
 
     def spec_stats(self) -> dict | None:
         """The device verify steps' counters, in the engine's shape: drafts counts the verify steps that carried a
