@@ -2,6 +2,7 @@
 interpreter), and on a GPU the captured verify graph against plain decoding."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -178,8 +179,8 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random):
-    """A losing spec is retried after 8 round trips, then 16, 32 (the text may turn copyable); a losing decode only
-    every 128 (its rate does not depend on the text). Rates are kept per batch size."""
+    """A losing spec is retried after 8 round trips, then 16, 32 (the text may turn copyable); a losing decode once
+    after 16, then every 128 (its rate does not depend on the text). Rates are kept per batch size."""
     runner = _cpu_runner(tiny_random)
     batch = [ScheduledSeq(Sequence(list(range(6)), SamplingParams()), 1, 1)]
     assert runner._spec_chunk_wanted(batch)  # nothing measured: a spec chunk first
@@ -187,7 +188,7 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random
     assert not runner._spec_chunk_wanted(batch)  # then plain decoding
     runner.rates_of(1)["decode"] = 200.0
     choices = [runner._spec_chunk_wanted(batch) for _ in range(300)]
-    assert [i for i, spec in enumerate(choices) if not spec] == [128, 129, 258, 259]  # two round trips each
+    assert [i for i, spec in enumerate(choices) if not spec] == [16, 17, 146, 147, 276, 277]  # two round trips each
     runner.rates_of(1)["spec"] = 100.0  # the text stopped copying: decode wins, spec is what gets retried
     choices = [runner._spec_chunk_wanted(batch) for _ in range(60)]
     assert [i for i, spec in enumerate(choices) if spec] == [8, 9, 26, 27]
@@ -231,6 +232,13 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     round_of("decode")
     runner._close_round()
     assert runner.rates_of(1)["decode"] > 0 and runner.rates_of(1)["spec"] == 0.0 and not runner.rates_of(2)["decode"]
+    for kind, measured in (("decode", 100.0), ("decode", 400.0), ("spec", 100.0), ("spec", 400.0)):
+        runner.rates_of(1)[kind] = 200.0
+        round_of(kind)
+        monkeypatch.setattr(time, "perf_counter", lambda: 4 / measured)  # the round's 4 tokens at that rate
+        runner._close_round()
+        # Decode: a faster round sets the rate, a slower one (a host hiccup) pulls it halfway; spec both halfway.
+        assert runner.rates_of(1)[kind] == (400.0 if (kind, measured) == ("decode", 400.0) else (200.0 + measured) / 2)
 
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):

@@ -52,9 +52,10 @@ SPEC_CHUNK_STEPS = 8
 # host's share included; rounds with a graph capture excluded). What a verify step costs against a decode step
 # depends on the model, the batch and the GPU, and what it yields on the text. The losing kind is retried (for two
 # round trips): a losing spec after SPEC_RETRY round trips, then twice as many, up to SPEC_MAX_RETRY, as the text
-# may have turned copyable; a losing decode only after SPEC_MAX_RETRY, as its rate does not depend on the text
-# (retrying it as often cost ~80-token copy-heavy requests 12% of their speed: 32 decode steps among ~4 spec round
-# trips).
+# may have turned copyable; a losing decode once after 2 * SPEC_RETRY, then only every SPEC_MAX_RETRY, as its rate
+# does not depend on the text (retrying it as often cost ~80-token copy-heavy requests 12% of their speed: 32
+# decode steps among ~4 spec round trips). For the same reason a decode round faster than the decode rate sets
+# it: a slower one is what a host hiccup makes, so it only pulls the rate down by RATE_SMOOTHING.
 SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
 RATE_SMOOTHING = 0.5
 _SEED_MASK = (1 << 62) - 1
@@ -393,7 +394,7 @@ class CudaGraphRunner(ModelRunner):
         winning = rates["spec"] >= rates["decode"]
         if winning != self.spec_winning:  # the first retry of the new loser comes after its first wait
             self.spec_winning = winning
-            self.retry_wait, self.retry_next = (SPEC_MAX_RETRY, SPEC_RETRY) if winning else (SPEC_RETRY, 2 * SPEC_RETRY)
+            self.retry_wait, self.retry_next = 2 * SPEC_RETRY if winning else SPEC_RETRY, 2 * SPEC_RETRY
         if self.probe_left:
             self.probe_left -= 1
             return self.probe_spec
@@ -426,7 +427,8 @@ class CudaGraphRunner(ModelRunner):
         if taken:
             rates, kind = self.rates_of(len(ahead.seqs)), round_[0]
             rate, old = taken / (time.perf_counter() - round_[1]), rates[kind]
-            rates[kind] = old + RATE_SMOOTHING * (rate - old) if old else rate
+            faster_decode = kind == "decode" and rate > old
+            rates[kind] = old + RATE_SMOOTHING * (rate - old) if old and not faster_decode else rate
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
