@@ -174,7 +174,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]
-        if not seq.params.ignore_eos and (last in self.eos_ids or last in seq.params.stop_token_ids):
+        if last in seq.params.stop_ids(self.eos_ids):
             return "stop"
         # A sequence longer than the whole KV cache could never be scheduled again, even alone.
         too_long = len(seq) >= self.max_model_len or len(seq) > self.blocks.num_blocks * self.blocks.block_size

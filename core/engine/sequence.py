@@ -23,6 +23,13 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
 
+    def stop_ids(self, eos_ids) -> list[int]:
+        """The tokens that end the request: the model's EOS tokens, then its own stop_token_ids; none with
+        ignore_eos. The engine stops at them, and a runner that runs steps ahead may stop there too."""
+        if self.ignore_eos:
+            return []
+        return [*eos_ids, *dict.fromkeys(t for t in self.stop_token_ids if t not in eos_ids)]
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

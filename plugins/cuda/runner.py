@@ -535,8 +535,7 @@ class CudaGraphRunner(ModelRunner):
     def _fill_stops(self, row: int, seq: Sequence) -> None:
         """The tokens the device ends row `row` at: the engine's stop tokens for seq (EOS first), as many as fit.
         Any the device misses the engine still stops at; the device only saves the chunk's steps past them."""
-        own = sorted(set(seq.params.stop_token_ids) - self.eos_ids)
-        stops = ([] if seq.params.ignore_eos else sorted(self.eos_ids) + own)[:SPEC_STOP_IDS]
+        stops = seq.params.stop_ids(self.eos_ids)[:SPEC_STOP_IDS]
         host = self.host_stops.numpy()
         host[row] = -1
         host[row, : len(stops)] = stops
