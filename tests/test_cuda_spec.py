@@ -29,9 +29,15 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
 
 
-def _cpu_runner(tiny_random, block_size=4, profile=NGRAM):
-    """A CUDA graph runner over the tiny model on the CPU (32 KV blocks, fp32): its host-side logic, no graphs run."""
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
+# A repetitive prompt: n-gram drafts hit, so a device spec chunk takes several tokens a step.
+MOTIF = [5, 9, 14, 3, 8, 21, 7]
+REPEATING_PROMPT = MOTIF * 4 + MOTIF[:3]
+
+
+def _tiny_runner(tiny_random, block_size=4, profile=NGRAM, device=torch.device("cpu")):
+    """A CUDA graph runner over the tiny model (32 KV blocks, fp32): on the CPU by default, for its host-side logic
+    (no graphs run); on DEV for the step bodies, run eagerly."""
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], device,
                          torch.float32)
     return CudaGraphRunner.for_profile(profile)(model, 32, block_size, torch.float32)
 
@@ -59,13 +65,9 @@ def _verify_batch(seqs, drafts):
 def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     """Device drafting + verify + accept, chained (the graph body run eagerly): the history it grows is the greedy
     continuation step-by-step decoding gives, several tokens a step on a repetitive prompt."""
-    motif = [5, 9, 14, 3, 8, 21, 7]
-    prompt = motif * 4 + motif[:3]
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
-                         torch.float32)
-    runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+    runner = _tiny_runner(tiny_random, device=DEV)
     assert runner.spec_rows == 4 and runner.lookahead_tokens == max(2 * MAX_DECODE_STEPS, 2 * SPEC_CHUNK_STEPS * 4)
-    [seq] = _prefilled(runner, [prompt])
+    [seq] = _prefilled(runner, [REPEATING_PROMPT])
     seq.params = SamplingParams(max_tokens=20, ignore_eos=True)
     seq.block_table = list(range(16))  # room for the whole look-ahead
     starts = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1)
@@ -79,7 +81,7 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
                              DEV, torch.float32)
     ref = ModelRunner(ref_model, 32, 4, torch.float32)
-    [ref_seq] = _prefilled(ref, [prompt])
+    [ref_seq] = _prefilled(ref, [REPEATING_PROMPT])
     ref_seq.block_table = list(range(16))
     expected = []
     for _ in produced:
@@ -94,15 +96,10 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
     """With a token the chunk produces as an EOS id, the device history ends at its first occurrence and the
     chunk's later steps leave the finished row alone (no tokens, no steps counted); a request that ignores EOS, or
     whose stop_token_ids name it, is treated as the engine would."""
-    motif = [5, 9, 14, 3, 8, 21, 7]
-    prompt = motif * 4 + motif[:3]
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], DEV,
-                         torch.float32)
-
     def chunk(eos_ids=frozenset(), **params):
-        runner = CudaGraphRunner.for_profile(NGRAM)(model, 32, 4, torch.float32)
+        runner = _tiny_runner(tiny_random, device=DEV)
         runner.eos_ids = frozenset(eos_ids)
-        [seq] = _prefilled(runner, [prompt])
+        [seq] = _prefilled(runner, [REPEATING_PROMPT])
         seq.params = SamplingParams(max_tokens=20, **params)
         seq.block_table = list(range(16))
         [start] = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1)
@@ -121,15 +118,15 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
 
 
 def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
-    runner = _cpu_runner(tiny_random)
+    runner = _tiny_runner(tiny_random)
     assert runner.drafts_itself and runner.spec_stats()["drafts"] == 0
-    mtp = _cpu_runner(tiny_random, profile=NGRAM.overridden(spec="mtp"))
+    mtp = _tiny_runner(tiny_random, profile=NGRAM.overridden(spec="mtp"))
     assert not mtp.use_graphs and not mtp.drafts_itself  # MTP drafts from hidden states: eager, engine drafts
     assert mtp.spec_stats() is None
 
 
 def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
-    runner = _cpu_runner(tiny_random, block_size=8)
+    runner = _tiny_runner(tiny_random, block_size=8)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(2)), 5
     batch = [ScheduledSeq(seq, 1, 1)]
@@ -145,7 +142,7 @@ def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):
 
 
 def test_spec_chunks_take_the_steps_the_wanted_tokens_need_at_the_recent_yield(tiny_random):
-    runner = _cpu_runner(tiny_random, block_size=8)
+    runner = _tiny_runner(tiny_random, block_size=8)
     seqs = [Sequence(list(range(6)), SamplingParams(max_tokens=n)) for n in (100, 10)]
     batch = [ScheduledSeq(s, 1, 1) for s in seqs]
     assert runner._spec_steps(batch) == SPEC_CHUNK_STEPS  # nothing measured: one token a step, a whole chunk
@@ -166,7 +163,7 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
         self.graphs[key] = object()
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
-    runner = _cpu_runner(tiny_random, block_size=8)
+    runner = _tiny_runner(tiny_random, block_size=8)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
@@ -181,7 +178,7 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random):
     """A losing spec is retried after 8 round trips, then 16, 32 (the text may turn copyable); a losing decode once
     after 16, then every 128 (its rate does not depend on the text). Rates are kept per batch size."""
-    runner = _cpu_runner(tiny_random)
+    runner = _tiny_runner(tiny_random)
     batch = [ScheduledSeq(Sequence(list(range(6)), SamplingParams()), 1, 1)]
     assert runner._spec_chunk_wanted(batch)  # nothing measured: a spec chunk first
     runner.rates_of(1)["spec"] = 300.0
@@ -193,7 +190,7 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random
     choices = [runner._spec_chunk_wanted(batch) for _ in range(60)]
     assert [i for i, spec in enumerate(choices) if spec] == [8, 9, 26, 27]
     assert runner._spec_chunk_wanted(batch * 2)  # batches of two: nothing measured yet, a spec chunk first
-    fixed = _cpu_runner(tiny_random, profile=NGRAM.overridden(spec_adaptive=False))
+    fixed = _tiny_runner(tiny_random, profile=NGRAM.overridden(spec_adaptive=False))
     fixed.rates_of(1).update(spec=100.0, decode=200.0)
     assert all(fixed._spec_chunk_wanted(batch) for _ in range(20))  # not adaptive: always speculate
     assert not runner._spec_possible(batch * (runner.spec_rows + 1))  # past the spec buckets: never, even if asked
@@ -205,7 +202,7 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     """When a spec chunk queues nothing behind it because the chooser wants decode, the next round decodes (the
     chooser is not asked again, which could answer the other way); a round that ended with nothing queued behind
     it leaves the rates alone, one that had a chunk behind it sets its kind's rate."""
-    runner = _cpu_runner(tiny_random)
+    runner = _tiny_runner(tiny_random)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     batch = [ScheduledSeq(seq, 1, 1)]
@@ -240,7 +237,7 @@ def test_a_faster_decode_round_sets_the_decode_rate_and_anything_else_is_smoothe
                                                                                  measured, rate):
     """Decode's rate does not depend on the text, so a round slower than it is a host hiccup: it pulls the rate
     halfway, a faster one replaces it. Spec's rate follows the text: halfway both ways."""
-    runner = _cpu_runner(tiny_random)
+    runner = _tiny_runner(tiny_random)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.num_computed = 5
     runner.rates_of(1)[kind] = 200.0
@@ -252,7 +249,7 @@ def test_a_faster_decode_round_sets_the_decode_rate_and_anything_else_is_smoothe
 
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
-    runner = _cpu_runner(tiny_random)
+    runner = _tiny_runner(tiny_random)
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.num_computed = 5  # the chunk started at position 5 and produced the tokens at positions 6..9
     runner._ahead = _Lookahead([seq], [5], [np.array([50, 51, 52, 53])])
