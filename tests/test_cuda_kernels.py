@@ -248,6 +248,14 @@ def _verify_slots(positions, block_tables, rows_per_table, block_size):
                          for j, p in enumerate(positions.tolist())], device=DEV)
 
 
+def _rows_meta(rows, slots, context_lens, block_tables, rows_per_table):
+    """Metadata of a verify step's `rows` (rows_per_table a sequence), or of one of them as a one-row decode call."""
+    return AttentionMetadata(
+        slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
+        context_lens=context_lens[rows], max_query_len=1, max_context_len=int(context_lens.max()),
+        block_tables=block_tables[[rows[0] // rows_per_table]] if len(rows) == 1 else block_tables)
+
+
 def _rope_table(dim, positions):
     angles = torch.outer(torch.arange(float(positions)), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     return torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
@@ -306,11 +314,7 @@ def test_verify_rows_sharing_programs_equal_one_row_calls(contexts, qk_norm):
     kernels = CudaKernels(decode_splits=4)
 
     def step(rows, k_cache, v_cache):
-        row_meta = AttentionMetadata(
-            slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
-            context_lens=(positions[rows] + 1).to(torch.int32),
-            block_tables=meta.block_tables[[rows[0] // k1]] if len(rows) == 1 else meta.block_tables,
-            max_query_len=1, max_context_len=max(contexts) + k1)
+        row_meta = _rows_meta(rows, slots, (positions + 1).to(torch.int32), meta.block_tables, k1)
         return kernels.rope_attention(qkv[rows], q_norm, k_norm, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
                                       row_meta, 0.2, heads, kv_heads, dim)
     verify = step(list(range(len(slots))), kc, vc)
@@ -335,10 +339,7 @@ def test_verify_rows_past_the_drafts_attend_to_nothing(heads, kv_heads, live):
     kernels = CudaKernels(decode_splits=4)
 
     def step(rows, k_cache, v_cache):
-        row_meta = AttentionMetadata(
-            slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
-            context_lens=context_lens[rows], max_query_len=1, max_context_len=max(contexts) + k1,
-            block_tables=meta.block_tables[[rows[0] // k1]] if len(rows) == 1 else meta.block_tables)
+        row_meta = _rows_meta(rows, slots, context_lens, meta.block_tables, k1)
         return kernels.rope_attention(qkv[rows], None, None, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
                                       row_meta, 0.2, heads, kv_heads, dim)
     caches, one_row_caches = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
