@@ -58,6 +58,7 @@ FREE_FORM = [
     "Explain how photosynthesis works to a ten-year-old.",
     "Give five ideas for a rainy-day activity and say why each one is fun.",
 ]
+KINDS = {"copy-heavy": COPY_HEAVY, "free-form": FREE_FORM}
 # Method name -> profile overrides.
 METHODS = {
     "none": {"spec": "none"},
@@ -76,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--profile")
     p.add_argument("--methods", default="none,ngram,ngram-fixed", help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--kinds", default="copy-heavy,free-form",
+                   help="prompt kinds in the order they run (what ran before a request is what the chooser knows)")
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -91,16 +94,19 @@ def parse_args(argv=None):
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         p.error(f"unknown method(s) {', '.join(sorted(unknown))}: choose from {', '.join(METHODS)}")
+    if sorted(args.kinds.split(",")) != sorted(KINDS):
+        p.error(f"--kinds {args.kinds}: name each of {', '.join(KINDS)} once, in the order they should run")
     return args
 
 
-def prompt_sets(llm: LLM, random_weights: bool) -> dict[str, list[list[int]]]:
+def prompt_sets(llm: LLM, random_weights: bool, kinds: list[str]) -> dict[str, list[list[int]]]:
     if not random_weights:
-        return {kind: [llm.encode(p, chat=llm.tokenizer.chat_template is not None) for p in prompts]
-                for kind, prompts in (("copy-heavy", COPY_HEAVY), ("free-form", FREE_FORM))}
+        return {kind: [llm.encode(p, chat=llm.tokenizer.chat_template is not None) for p in KINDS[kind]]
+                for kind in kinds}
     rng, vocab = random.Random(0), llm.engine.config.vocab_size
     passages = [[rng.randrange(vocab) for _ in range(96)] for _ in range(3)]
-    return {"copy-heavy": [p + p[:8] for p in passages], "free-form": [p[:104] for p in passages[::-1]]}
+    token_sets = {"copy-heavy": [p + p[:8] for p in passages], "free-form": [p[:104] for p in passages[::-1]]}
+    return {kind: token_sets[kind] for kind in kinds}
 
 
 def decode_run(llm: LLM, prompt: list[int], gen_len: int, ignore_eos: bool) -> tuple[float, int, list[int]]:
@@ -121,7 +127,7 @@ def bench_method(args, loaded, method: str) -> list[dict]:
     # fastest run of each method times the same text.
     llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile,
               spec_tokens=args.spec_tokens, prefix_caching=False, **METHODS[method])
-    prompts = prompt_sets(llm, random_weights=bool(args.shape))
+    prompts = prompt_sets(llm, random_weights=bool(args.shape), kinds=args.kinds.split(","))
     common = {
         "machine": machine_name(llm.engine.model.device), "backend": llm.info.backend,
         "model": args.shape or llm.info.model, "precision": llm.engine.precision.name,
@@ -160,7 +166,7 @@ def bench_method(args, loaded, method: str) -> list[dict]:
 def child_argv(args) -> list[str]:
     """The options a child process needs to bench one method as this run would."""
     argv = ["--backend", args.backend, "--spec-tokens", str(args.spec_tokens), "--gen-len", str(args.gen_len),
-            "--repeats", str(args.repeats)] + (["--ignore-eos"] if args.ignore_eos else [])
+            "--repeats", str(args.repeats), "--kinds", args.kinds] + (["--ignore-eos"] if args.ignore_eos else [])
     for name in ("model", "shape", "precision", "profile", "threads"):
         if getattr(args, name) is not None:
             argv += [f"--{name}", str(getattr(args, name))]
