@@ -21,9 +21,10 @@ from flashnext.core.kernels import ReferenceKernels  # noqa: E402
 from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
+from flashnext.core.spec.ngram import lookup  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import (MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner,  # noqa: E402
-                                           _Lookahead)
+                                           _Lookahead, copy_yield)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
@@ -198,6 +199,54 @@ def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random
     assert not runner._spec_chunk_wanted(batch) and not fixed._spec_chunk_wanted(batch)
 
 
+def test_copy_yield_replays_the_drafter_over_the_tokens():
+    """copy_yield's verify steps keep what NgramDrafter's lookup would have drafted of the tokens that came: the same
+    as calling lookup at every step (its no-copy filter skips only positions where lookup finds nothing)."""
+    motif = list(range(100, 137))
+    assert copy_yield(motif * 4, 73, 4) == 5.0  # all copied: 4 drafts and the next token a step, 15 steps
+    assert copy_yield(list(range(200)), 100, 4) == 1.0  # new text: nothing drafted
+
+    def replay(tokens, start, k):
+        steps, position = 0, start
+        while position < len(tokens):
+            drafts, kept = lookup(tokens[:position], k), 0
+            while kept < len(drafts) and position + kept < len(tokens) and drafts[kept] == tokens[position + kept]:
+                kept += 1
+            position, steps = position + kept + 1, steps + 1
+        return (len(tokens) - start) / steps
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tokens = rng.integers(0, rng.choice([3, 10, 1000]), rng.integers(3, 80)).tolist()
+        tokens += tokens[: rng.integers(0, len(tokens))]
+        start = int(rng.integers(1, len(tokens)))
+        assert copy_yield(tokens, start, 4) == pytest.approx(replay(tokens, start, 4)), (tokens, start)
+
+
+@pytest.mark.parametrize("copyable", [True, False])
+def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(tiny_random, monkeypatch, copyable):
+    """While decode wins, its rounds' tokens are replayed through the drafter: on text each verify step would have
+    copied all its drafts of, what spec would have run at (verify steps a second x tokens a step) becomes spec's
+    rate and spec runs next; on new text the rates and the retry schedule stay as they were."""
+    runner = _tiny_runner(tiny_random)
+    history = list(range(100, 137)) * 4 if copyable else list(range(1000, 1148))
+    seq = Sequence(history[:-16], SamplingParams(max_tokens=100))
+    batch = [ScheduledSeq(seq, 1, 1)]
+    runner._spec_chunk_wanted(batch)
+    runner.rates_of(1).update(spec=150.0, decode=200.0)  # spec's rounds lost
+    runner.verify_step_rates[1] = 125.0
+    assert not runner._spec_chunk_wanted(batch)
+    start = seq.num_computed = len(seq.token_ids) - 1
+    seq.token_ids += history[-16:]  # the engine took the decode round's 16 tokens
+    seq.num_computed += 16
+    runner._ahead = _Lookahead([seq], [start], [np.array(history[-16:])])
+    runner._round = ("decode", 0.0, runner.graph_captures)
+    monkeypatch.setattr(time, "perf_counter", lambda: 16 / 200.0)
+    runner._close_round()
+    # 3 drafts all copied: 4 tokens a verify step, 500 a second (> 1.2 x decode); new text: 125, no change
+    assert runner.rates_of(1) == {"decode": 200.0, "spec": 500.0 if copyable else 150.0}
+    assert runner._spec_chunk_wanted(batch) == copyable
+
+
 def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behind_count(tiny_random, monkeypatch):
     """When a spec chunk queues nothing behind it because the chooser wants decode, the next round decodes (the
     chooser is not asked again, which could answer the other way); a round that ended with nothing queued behind
@@ -244,8 +293,11 @@ def test_a_faster_decode_round_sets_the_decode_rate_and_anything_else_is_smoothe
     runner._ahead = _Lookahead([seq], [seq.num_computed - 4], [np.arange(8)])  # the engine took 4 of its tokens
     runner._round = (kind, 0.0, runner.graph_captures)
     monkeypatch.setattr(time, "perf_counter", lambda: 4 / measured)
+    runner.spec_step_yield = 2.0
     runner._close_round()
     assert runner.rates_of(1)[kind] == pytest.approx(rate)
+    # a spec round also gives the verify steps a second (its rate over the tokens a step gave)
+    assert runner.verify_step_rates.get(1) == (pytest.approx(rate / 2.0) if kind == "spec" else None)
 
 
 def test_lookahead_answers_only_the_steps_it_holds(tiny_random):

@@ -37,7 +37,7 @@ from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
 from flashnext.core.spec.decoder import SpecStats
 
-from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM
+from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 
 from .forward import forward, forward_unnormed, logits_of
 from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS
@@ -58,6 +58,14 @@ SPEC_CHUNK_STEPS = 8
 # it: a slower one is what a host hiccup makes, so it only pulls the rate down by RATE_SMOOTHING.
 SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
 RATE_SMOOTHING = 0.5
+# While decode wins, each decode round's tokens are replayed through the n-gram drafter on the host (copy_yield:
+# what verify steps would have gained on them); when that, at the rate verify steps were last measured to run,
+# beats the decode rate by this margin, it becomes spec's rate, so spec takes over at once and its own rounds
+# correct the estimate. (A copy-heavy request after free-form ones otherwise waited for spec's next retry, 8 to 128
+# decode rounds: on the real SmolLM2 it ran at 0.99x decode.) The margin covers steps with drafts costing more
+# than those the rate was likely measured on, free-form text's, mostly without (H200, SmolLM2 K = 4: int4 528
+# vs 409 us, bf16 661 vs 462).
+SPEC_ESTIMATE_MARGIN = 1.5
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
 _INT_FIELDS = ("input_ids", "positions", "valid", "request_seed", "top_k")
@@ -66,6 +74,38 @@ _VERIFY_INT_FIELDS = ("input_ids", "positions", "slots", "noise_seed", "top_k")
 # Per-sequence state of a spec chunk: tokens known (history length), the length it stops at, the last position
 # whose KV slot it owns, the request seed.
 _SPEC_FIELDS = ("ntok", "cap", "max_pos", "request_seed")
+
+
+def copy_yield(tokens: list[int], start: int, k: int) -> float:
+    """Tokens a verify step would have gained on average over tokens[start:] had spec decoded them: each step
+    drafts k tokens by prompt lookup from the tokens before it, keeps those that came, and adds the next token."""
+    history = np.asarray(tokens, dtype=np.int64)
+    has_copy = _has_earlier_copy(history, start)
+    steps, position = 0, start
+    while position < len(history):
+        drafts = lookup(history[:position], k) if has_copy[position - start] else []
+        kept = 0
+        while kept < len(drafts) and position + kept < len(history) and drafts[kept] == history[position + kept]:
+            kept += 1
+        position += kept + 1
+        steps += 1
+    return (len(history) - start) / steps if steps else 0.0
+
+
+def _has_earlier_copy(history: np.ndarray, start: int) -> np.ndarray:
+    """For each position p >= start, whether the MIN_NGRAM tokens before p occur earlier with a token after them
+    (else lookup drafts nothing there: most positions of new text, found for all at once rather than one lookup
+    call of ~20 us each)."""
+    # A hash of each MIN_NGRAM-gram (int64 wrap-around): a false match only costs a lookup call.
+    grams = history[: len(history) - MIN_NGRAM + 1]
+    for j in range(1, MIN_NGRAM):
+        grams = grams * 1_000_003 + history[j : len(history) - MIN_NGRAM + 1 + j]
+    unique, first = np.unique(grams, return_index=True)
+    positions = np.arange(start, len(history))
+    ends = positions - MIN_NGRAM  # the gram before p starts here
+    valid = ends >= 0
+    found = first[np.searchsorted(unique, grams[np.maximum(ends, 0)])]
+    return valid & (found < ends)
 
 
 @dataclass
@@ -113,6 +153,7 @@ class CudaGraphRunner(ModelRunner):
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
         self.drafts_itself = bool(self.spec_rows)
         self.chunk_rates: dict[int, dict[str, float]] = {}  # batch size: kind: tokens per second, smoothed
+        self.verify_step_rates: dict[int, float] = {}  # batch size: verify steps a second when spec's rate was set
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
         self.retry_wait, self.retry_next = 0, SPEC_RETRY
         self.spec_winning: bool | None = None  # which kind the rates favoured when last asked (None: not yet)
@@ -429,6 +470,19 @@ class CudaGraphRunner(ModelRunner):
             rate, old = taken / (time.perf_counter() - round_[1]), rates[kind]
             faster_decode = kind == "decode" and rate > old
             rates[kind] = old + RATE_SMOOTHING * (rate - old) if old and not faster_decode else rate
+            if kind == "spec":  # over the tokens a step gave: verify steps a second, which the text hardly moves
+                self.verify_step_rates[len(ahead.seqs)] = rates["spec"] / self.spec_step_yield
+            elif 0 < rates["spec"] < rates["decode"] and all(seq.spec_enabled for seq in ahead.seqs):
+                estimate = self._spec_estimate(ahead)
+                if estimate > SPEC_ESTIMATE_MARGIN * rates["decode"]:
+                    rates["spec"] = estimate
+
+    def _spec_estimate(self, ahead: "_Lookahead") -> float:
+        """Tokens a second spec would have given a decode round's tokens: the tokens each verify step would have
+        gained on them (copy_yield, the sequences' mean) at the rate verify steps last ran."""
+        yields = [copy_yield(seq.token_ids[: seq.num_computed + 1], start + 1, self.verify_len - 1)
+                  for seq, start in zip(ahead.seqs, ahead.start_positions) if seq.num_computed > start]
+        return self.verify_step_rates.get(len(ahead.seqs), 0.0) * float(np.mean(yields)) if yields else 0.0
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
