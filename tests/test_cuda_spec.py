@@ -222,18 +222,21 @@ def test_copy_yield_replays_the_drafter_over_the_tokens():
         assert copy_yield(tokens, start, 4) == pytest.approx(replay(tokens, start, 4)), (tokens, start)
 
 
-@pytest.mark.parametrize("copyable", [True, False])
-def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(tiny_random, monkeypatch, copyable):
+@pytest.mark.parametrize("copyable,verify_steps_a_second,spec_after", [(True, 125.0, 500.0), (True, 70.0, 150.0),
+                                                                       (False, 125.0, 150.0)])
+def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(tiny_random, monkeypatch, copyable,
+                                                                    verify_steps_a_second, spec_after):
     """While decode wins, its rounds' tokens are replayed through the drafter: on text each verify step would have
-    copied all its drafts of, what spec would have run at (verify steps a second x tokens a step) becomes spec's
-    rate and spec runs next; on new text the rates and the retry schedule stay as they were."""
+    copied all its drafts of (3 here: 4 tokens a step), what spec would have run at (verify steps a second x tokens
+    a step: 500) becomes spec's rate and spec runs next; an estimate under 1.5 x decode (280 < 300) or new text (1
+    token a step) leaves the rates and the retry schedule as they were."""
     runner = _tiny_runner(tiny_random)
     history = list(range(100, 137)) * 4 if copyable else list(range(1000, 1148))
     seq = Sequence(history[:-16], SamplingParams(max_tokens=100))
     batch = [ScheduledSeq(seq, 1, 1)]
     runner._spec_chunk_wanted(batch)
     runner.rates_of(1).update(spec=150.0, decode=200.0)  # spec's rounds lost
-    runner.verify_step_rates[1] = 125.0
+    runner.verify_step_rates[1] = verify_steps_a_second
     assert not runner._spec_chunk_wanted(batch)
     start = seq.num_computed = len(seq.token_ids) - 1
     seq.token_ids += history[-16:]  # the engine took the decode round's 16 tokens
@@ -242,9 +245,8 @@ def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(tiny_random,
     runner._round = ("decode", 0.0, runner.graph_captures)
     monkeypatch.setattr(time, "perf_counter", lambda: 16 / 200.0)
     runner._close_round()
-    # 3 drafts all copied: 4 tokens a verify step, 500 a second (> 1.2 x decode); new text: 125, no change
-    assert runner.rates_of(1) == {"decode": 200.0, "spec": 500.0 if copyable else 150.0}
-    assert runner._spec_chunk_wanted(batch) == copyable
+    assert runner.rates_of(1) == {"decode": 200.0, "spec": spec_after}
+    assert runner._spec_chunk_wanted(batch) == (spec_after > 200.0)
 
 
 def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behind_count(tiny_random, monkeypatch):
