@@ -35,7 +35,7 @@ from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
-from flashnext.core.spec.decoder import SpecStats
+from flashnext.core.spec.decoder import SpecStats, accepted_length
 
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 
@@ -84,10 +84,8 @@ def copy_yield(tokens: list[int], start: int, k: int) -> float:
     steps, position = 0, start
     while position < len(history):
         drafts = lookup(history[:position], k) if has_copy[position - start] else []
-        kept = 0
-        while kept < len(drafts) and position + kept < len(history) and drafts[kept] == history[position + kept]:
-            kept += 1
-        position += kept + 1
+        came = history[position : position + len(drafts)]
+        position += accepted_length(drafts[: len(came)], came) + 1
         steps += 1
     return (len(history) - start) / steps if steps else 0.0
 
