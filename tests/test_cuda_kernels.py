@@ -111,11 +111,17 @@ def test_decode_step_bookkeeping_kernels():
     assert ids.tolist() == [11, 12, 13] and positions.tolist() == [10, 3, 1] and step.item() == 2
 
 
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_dequantize_kernel_matches_int4weight(group_size):
-    w = int4_quantize(torch.randn(24, 256), group_size=group_size, symmetric=False).to(DEV)
+# Row counts off the kernel's 4-row tiles, widths under its 1,024-column tile (576, 384: padded) and over it (2,560:
+# a partly filled third tile).
+@pytest.mark.parametrize("n,k,group_size", [(24, 256, 32), (23, 256, 128), (5, 576, 32), (7, 384, 128),
+                                            (9, 2560, 128)])
+def test_int4_dequantize_kernel_matches_int4weight(n, k, group_size):
+    w = int4_quantize(torch.randn(n, k), group_size=group_size, symmetric=False).to(DEV)
     # allclose, not equal: the GPU may fuse q * s + o into one FMA (one rounding instead of two)
     assert torch.allclose(CUDA.int4_dequantize(w, torch.float32), w.dequantize(torch.float32), rtol=1e-6, atol=1e-6)
+    # bf16 within one unit in the last place (Triton's interpreter truncates where the GPU rounds)
+    got = CUDA.int4_dequantize(w, torch.bfloat16).float()
+    assert torch.allclose(got, w.dequantize(torch.float32), rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize("k,group_size", [(256, 32), (576, 32), (384, 128)])  # 576: SmolLM2, groups padded
@@ -441,7 +447,7 @@ def test_fp8_register_gemv_keeps_activations_16_bit():
     assert nmse(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize("group_size,rows", [(32, 1), (128, 2), (128, 5), (32, 20)])
+@pytest.mark.parametrize("group_size,rows", [(32, 1), (128, 2), (128, 5), (32, 20), (128, 70)])  # 70: cuBLAS
 def test_int4_gemm_matches_dequantized_reference(group_size, rows):
     w = int4_quantize(torch.randn(48, 256), group_size=group_size, symmetric=group_size == 128).to(DEV)
     x = rand(rows, 256)
