@@ -326,6 +326,8 @@ def gemm_sweep(loaded):
                 if precision == "int4":
                     variants["dequant+cublas"] = lambda i: torch.nn.functional.linear(
                         x, k.int4_dequantize(weight(i), x.dtype))
+                    if rows > 2:  # what linear does with a batch: the dequantization pass, then the skinny GEMM
+                        variants["linear: dequant+skinny"] = lambda i: k.linear(x, weight(i))
                 else:
                     chosen = skinny_config(w0.shape[0], width, rows)
                     variants[f"skinny {chosen}"] = lambda i: k.skinny_gemm(x, weight(i))

@@ -46,7 +46,7 @@ class CudaBackend(Backend):
         # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM and in
         # torch._scaled_mm for prefill-sized batches.
         "fp8_weights": True,
-        "int4_weights": True,  # Triton GEMV up to 4 rows; one Triton dequant pass + cuBLAS above
+        "int4_weights": True,  # Triton GEMV up to 4 rows; a Triton dequant pass + the skinny GEMM / cuBLAS above
     }
 
     def probe(self) -> Probe:
