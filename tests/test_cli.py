@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,31 @@ def test_run_json_has_the_contract_keys(tiny_llama):
     assert set(report["timing"]) >= {"load_s", "ttft_s", "decode_tok_s"}
     assert set(report["spec"]) >= {"method", "drafted", "accepted"}
     assert report["profile"]["name"] == "full"
+
+
+def test_run_takes_one_time_warm_up_out_of_ttft_and_decode_speed(tiny_llama, monkeypatch):
+    """A runner's one-time work inside steps (CUDA: graph captures) is reported as warm_up_s, not as slow decode."""
+    from flashnext.core.engine.runner import ModelRunner
+
+    real_run, steps = ModelRunner.run, []
+
+    def run(self, batch):
+        steps.append(len(batch))
+        if len(steps) == 2:  # the first decode step does 0.3 s of one-time work
+            time.sleep(0.3)
+            self.warm_up_s += 0.3
+        return real_run(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "run", run)
+    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6",
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    timing = report["timing"]
+    assert report["completion_tokens"] >= 3 and len(steps) >= 2
+    assert timing["warm_up_s"] == pytest.approx(0.3, abs=1e-3)
+    decode_s = (report["completion_tokens"] - 1) / timing["decode_tok_s"]
+    assert decode_s < 0.2 and timing["ttft_s"] < 0.2  # the warm-up's 0.3 s is in neither
 
 
 def test_run_reads_prompt_from_stdin_and_is_deterministic(tiny_llama):

@@ -31,6 +31,9 @@ class ModelRunner:
     # The model's end-of-sequence tokens (the engine sets them): a runner that runs steps ahead may stop a sequence
     # at one on its own.
     eos_ids: frozenset[int] = frozenset()
+    # Seconds of one-time work done inside steps so far (CUDA: graph captures, with the kernel compiles in their
+    # warm-ups): a report of decode speed leaves them out and names them, as it does the load time.
+    warm_up_s = 0.0
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
         cfg = model.config

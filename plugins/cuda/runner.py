@@ -373,7 +373,7 @@ class CudaGraphRunner(ModelRunner):
             kernels.decode_splits, kernels.gemv_max_rows, kernels.row_invariant = 1, GEMV_MAX_ROWS, False
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
-        reserved = torch.cuda.memory_reserved(self.device)
+        reserved, started = torch.cuda.memory_reserved(self.device), time.perf_counter()
         with self.graph_settings(key[0], query_rows):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
             # buffers changed (the decode body advances its inputs), which the caller refills before replaying.
@@ -391,6 +391,7 @@ class CudaGraphRunner(ModelRunner):
         self.graphs[key] = graph
         self.graph_captures += 1
         self.graph_memory_bytes += max(torch.cuda.memory_reserved(self.device) - reserved, 0)
+        self.warm_up_s += time.perf_counter() - started
         return graph
 
     def _decode_body(self, rows: int, greedy: bool) -> None:
