@@ -447,11 +447,25 @@ def test_fp8_register_gemv_keeps_activations_16_bit():
     assert nmse(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize("group_size,rows", [(32, 1), (128, 2), (128, 5), (32, 20), (128, 70)])  # 70: cuBLAS
-def test_int4_gemm_matches_dequantized_reference(group_size, rows):
-    w = int4_quantize(torch.randn(48, 256), group_size=group_size, symmetric=group_size == 128).to(DEV)
-    x = rand(rows, 256)
+# Rows 1-2: the GEMV; 5-32: the skinny GEMM widening int4 tiles (576 columns: 64-column steps); 40: a pass, then
+# the skinny GEMM; 70: a pass, then cuBLAS; 192 columns of groups of 64: 64-column steps.
+@pytest.mark.parametrize("group_size,rows,k", [(32, 1, 256), (128, 2, 256), (128, 5, 256), (32, 20, 256),
+                                               (32, 7, 576), (128, 32, 512), (128, 40, 256), (128, 70, 256),
+                                               (64, 9, 192)])
+def test_int4_gemm_matches_dequantized_reference(group_size, rows, k):
+    w = int4_quantize(torch.randn(48, k), group_size=group_size, symmetric=group_size == 128).to(DEV)
+    x = rand(rows, k)
     assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 1e-4
+
+
+def test_int4_skinny_config_takes_whole_groups_that_divide_k():
+    from flashnext.plugins.cuda.kernels import int4_skinny_config
+
+    assert int4_skinny_config(1024, 8, 128) == (32, 256, 3, 1)
+    assert int4_skinny_config(3072, 32, 128) == (16, 256, 3, 1)
+    assert int4_skinny_config(576, 5, 32)[1] == 64  # SmolLM2: 576 = 9 x 64
+    assert int4_skinny_config(192, 9, 64)[1] == 64
+    assert int4_skinny_config(96, 9, 64) is None
 
 
 def test_fp8_row_quantization_matches_reference_scales():
@@ -513,6 +527,27 @@ def test_row_invariant_graphs_put_the_vocabulary_projection_through_16_row_skinn
     many = kernels.linear(x, wide)
     assert all(torch.equal(kernels.linear(x[i : i + 1], wide)[0], many[i]) for i in range(rows))
     assert tiles == [True] * (rows + 1) and nmse(many, x.float() @ wide.float().T) < 1e-4
+
+
+def test_row_invariant_int4_rows_past_the_fused_limit_stay_in_the_skinny_gemm(monkeypatch):
+    """Int4 batches above INT4_SKINNY_MAX_ROWS take a dequantization pass and a 16-bit GEMM, which sums in another
+    order; in a row-invariant graph (where the GEMV cannot take the weight) every row count stays in the fused
+    skinny GEMM's 16-row tiles, so each row equals a one-row call."""
+    monkeypatch.setattr(kernels_module, "INT4_SKINNY_MAX_ROWS", 4)
+    w = int4_quantize(torch.randn(48, 256) * 0.1, group_size=32).to(DEV)
+    x = rand(20, 256)
+    kernels = CudaKernels()
+    kernels.gemv_max_rows = 0  # as for a weight wider than the GEMV takes
+    passes = []
+    dequantize = CudaKernels.int4_dequantize
+    monkeypatch.setattr(CudaKernels, "int4_dequantize", lambda self, w, dtype: passes.append(1) or dequantize(self, w,
+                                                                                                            dtype))
+    kernels.linear(x, w)
+    assert passes == [1]
+    kernels.row_invariant = True
+    many = kernels.linear(x, w)
+    assert all(torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i]) for i in range(20)) and passes == [1]
+    assert nmse(many, x.float() @ w.dequantize(torch.bfloat16).float().T) < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int4"])
