@@ -447,11 +447,12 @@ def test_fp8_register_gemv_keeps_activations_16_bit():
     assert nmse(out, ref) < 1e-3
 
 
-# Rows 1-2: the GEMV; 5-32: the skinny GEMM widening int4 tiles (576 columns: 64-column steps); 40: a pass, then
-# the skinny GEMM; 70: a pass, then cuBLAS; 192 columns of groups of 64: 64-column steps.
+# Rows 1-2: the GEMV; 5-32: the skinny GEMM widening int4 tiles (576 columns: 64-column steps; 2,048: K in two or
+# four slices); 40: a pass, then the skinny GEMM; 70: a pass, then cuBLAS; 192 columns of groups of 64: 64-column
+# steps.
 @pytest.mark.parametrize("group_size,rows,k", [(32, 1, 256), (128, 2, 256), (128, 5, 256), (32, 20, 256),
                                                (32, 7, 576), (128, 32, 512), (128, 40, 256), (128, 70, 256),
-                                               (64, 9, 192)])
+                                               (64, 9, 192), (128, 8, 2048), (32, 20, 2048)])  # 2,048: split K
 def test_int4_gemm_matches_dequantized_reference(group_size, rows, k):
     w = int4_quantize(torch.randn(48, k), group_size=group_size, symmetric=group_size == 128).to(DEV)
     x = rand(rows, k)
@@ -462,7 +463,8 @@ def test_int4_skinny_config_takes_whole_groups_that_divide_k():
     from flashnext.plugins.cuda.kernels import int4_skinny_config
 
     assert int4_skinny_config(1024, 8, 128) == (32, 256, 3, 1)
-    assert int4_skinny_config(3072, 32, 128) == (16, 256, 3, 1)
+    assert int4_skinny_config(3072, 32, 128) == (16, 256, 3, 4)  # long rows: K in slices
+    assert int4_skinny_config(1536, 8, 32) == (16, 256, 3, 2)
     assert int4_skinny_config(576, 5, 32)[1] == 64  # SmolLM2: 576 = 9 x 64
     assert int4_skinny_config(192, 9, 64)[1] == 64
     assert int4_skinny_config(96, 9, 64) is None
