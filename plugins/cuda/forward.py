@@ -6,7 +6,7 @@ heads; a 16-bit head is the skinny GEMM or cuBLAS after a norm pass, see logits_
 + the KV-cache write ride in the attention kernel (or are one pass before it), and SiLU-and-mul rides in the
 gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV,
 down GEMV).
-Larger batches fall back, op by op, to the unfused Triton kernels and cuBLAS.
+Larger batches fall back, op by op, to the unfused Triton kernels, the skinny GEMM (up to 64 rows) and cuBLAS.
 """
 
 import torch

@@ -22,7 +22,8 @@ except ImportError:  # pragma: no cover - older Triton: kernels launch plainly
     gdc_launch_dependents = gdc_wait = None
 
 # Rows up to this many go through the fused norm-GEMV (one weight read per program, rows unrolled): small decode
-# batches. Beyond ~4 rows cuBLAS is faster on a Qwen3-0.6B shape (docs/benchmarks.md).
+# batches. Beyond ~4 rows a tiled GEMM (the skinny GEMM below, or cuBLAS) is faster on a Qwen3-0.6B shape
+# (docs/benchmarks.md).
 GEMV_MAX_ROWS = 4
 # Input sizes whose whole row fits one program's registers (the GEMV keeps all of x and its W tile live).
 GEMV_MAX_K = 4096
