@@ -268,3 +268,14 @@ def test_kv_budget_leaves_room_for_the_warm_up_peak(tiny_llama):
     block_bytes = plain.runner.kv_bytes_per_block(plain.model, profile.block_size, plain.kv_dtype)
     assert measured.blocks.num_blocks == (GIB // 2) // block_bytes
     assert plain.blocks.num_blocks > measured.blocks.num_blocks
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stops_at_agrees_with_the_stop_list_the_device_runner_takes(ignore_eos):
+    """The engine's per-token check and the list a look-ahead runner stops at are one rule."""
+    params = SamplingParams(ignore_eos=ignore_eos, stop_token_ids=[9, 3, 9])
+    eos = frozenset({3, 1})
+    for token in range(12):
+        assert params.stops_at(token, eos) == (token in params.stop_ids(eos))
+    assert params.stops_at(9, eos) != ignore_eos and params.stops_at(1, eos) != ignore_eos
+    assert not params.stops_at(4, eos)

@@ -173,8 +173,7 @@ class LLMEngine:
         return runner if runner is not None else (self.spec.stats if self.spec else SpecStats()).as_dict()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
-        last = seq.token_ids[-1]
-        if last in seq.params.stop_ids(self.eos_ids):
+        if seq.params.stops_at(seq.token_ids[-1], self.eos_ids):
             return "stop"
         # A sequence longer than the whole KV cache could never be scheduled again, even alone.
         too_long = len(seq) >= self.max_model_len or len(seq) > self.blocks.num_blocks * self.blocks.block_size

@@ -30,6 +30,10 @@ class SamplingParams(BaseModel):
             return []
         return [*eos_ids, *dict.fromkeys(t for t in self.stop_token_ids if t not in eos_ids)]
 
+    def stops_at(self, token: int, eos_ids) -> bool:
+        """token in stop_ids(eos_ids), without building the list: the engine asks for every generated token."""
+        return not self.ignore_eos and (token in eos_ids or token in self.stop_token_ids)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
