@@ -3,6 +3,7 @@
 On a CUDA machine the same tests run the compiled kernels on the GPU (TRITON_INTERPRET stays unset there).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -366,6 +367,64 @@ def test_attention_reads_fp8_e5m2_cache():
     q, kc, vc, meta = _paged_setup([1, 1], [9, 40], kv_dtype=torch.float8_e5m2)  # split-KV decode path too
     ref = REF.attention(q, kc, vc, meta, 0.2)
     assert nmse(CudaKernels(decode_splits=4).attention(q, kc, vc, meta, 0.2), ref) < 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (9, 3, 64)])
+def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
+    """Decode rows over an fp8-e5m2 cache go through _decode_e5m2_kernel (the cache as int16 pairs, even and odd
+    elements in separate dots): equal to exact attention over the cache's values, past a 128-key tile, a row with
+    no context comes out zero, and rows sharing a table row (a verify step's) see only their own contexts."""
+    contexts = [1, 9, 130, 0]
+    q, kc, vc, meta = _paged_setup([1] * 4, contexts, heads, kv_heads, dim, kv_dtype=torch.float8_e5m2)
+    calls = []
+    real = kernels_module._decode_e5m2_kernel
+    kernels_module._decode_e5m2_kernel = type("Spy", (), {"__getitem__": lambda _, grid: calls.append(grid) or
+                                                          real[grid]})()
+    try:
+        out = CUDA.attention(q, kc, vc, meta, 0.2)
+    finally:
+        kernels_module._decode_e5m2_kernel = real
+    assert calls == [(4, kv_heads)]
+    ref = REF.attention(q, kc, vc, meta, 0.2)
+    assert nmse(out, ref) < 1e-4 and (out[3] == 0).all()
+    shared = AttentionMetadata(  # rows 0-1 and 2-3 each share a table row, attending to 5 / 9 and 20 / 130 keys
+        slot_mapping=meta.slot_mapping, query_start=meta.query_start, max_query_len=1, max_context_len=130,
+        context_lens=torch.tensor([5, 9, 20, 130], dtype=torch.int32, device=DEV),
+        block_tables=meta.block_tables[[2, 2]].contiguous(), query_lens_host=(1,) * 4,
+        context_lens_host=(5, 9, 20, 130))
+    one_table = dataclasses.replace(shared, block_tables=meta.block_tables[[2, 2, 2, 2]].contiguous())
+    assert nmse(CUDA.attention(q, kc, vc, shared, 0.2), REF.attention(q, kc, vc, one_table, 0.2)) < 1e-4
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", [(4, 2, 32, True), (9, 3, 64, False)])
+def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_heads, dim, qk_norm):
+    """rope_attention of a decode step over an fp8-e5m2 cache (q/k norm, rope and the KV write inside
+    _decode_e5m2_kernel) gives the bits of qkv_rope_store followed by attention, cache included; a padded row
+    (slot -1, context 0) writes nothing and comes out zero."""
+    contexts = [5, 130, 1, 0]
+    _, kc, vc, meta = _paged_setup([1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim,
+                                   kv_dtype=torch.float8_e5m2)
+    positions = torch.tensor([max(c - 1, 0) for c in contexts], device=DEV)
+    slots = _verify_slots(positions, meta.block_tables, 1, 4)
+    slots[3] = -1
+    rows_meta = dataclasses.replace(meta, slot_mapping=slots, context_lens=torch.tensor(
+        contexts, dtype=torch.int32, device=DEV))
+    qkv = rand(4, (heads + 2 * kv_heads) * dim)
+    q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
+    cos_sin = _rope_table(dim, max(contexts))
+    caches = [c.clone() for c in (kc, vc, kc, vc)]
+    fused = CUDA.rope_attention(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta, 0.2,
+                                heads, kv_heads, dim)
+    q = CUDA.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
+                            kv_heads, dim)
+    unfused = CUDA.attention(q, caches[2], caches[3], rows_meta, 0.2)
+
+    def same(a, b):  # bitwise, fp8 included
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert same(caches[0], caches[2]) and same(caches[1], caches[3]) and not same(caches[0], kc)
+    assert torch.equal(fused, unfused) and (fused[3] == 0).all() and not fused.isnan().any()
+    ref = REF.attention(q, caches[2], caches[3], dataclasses.replace(rows_meta, context_lens_host=tuple(contexts)), 0.2)
+    assert nmse(fused, ref) < 1e-4
 
 
 # Triton's interpreter converts to fp8 wrongly at binade edges (-31.97 -> -16), so fp8 writes are checked on GPU.

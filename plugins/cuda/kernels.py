@@ -76,14 +76,14 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _dot(a, b):
+def _dot(a, b, acc=None):
     if _INTERPRETED:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     elif a.dtype == tl.float32:
         # fp32 means fp32: tl.dot would otherwise round fp32 inputs to TF32 (NMSE ~1e-7 in conformance)
-        out = tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        out = tl.dot(a, b)
+        out = tl.dot(a, b, acc)
     return out
 
 
@@ -307,6 +307,93 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
                                         l_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _e5m2_pairs_to_fp16(pairs):
+    """An fp8-e5m2 tile read as int16 pairs -> its even and odd elements as fp16, exactly: an e5m2 byte is the
+    high byte of the fp16 it equals, so each is one byte permute or one and for two pairs a 32-bit register."""
+    if _INTERPRETED:
+        even = (pairs << 8).to(tl.float16, bitcast=True)
+        odd = (pairs & -256).to(tl.float16, bitcast=True)
+    else:
+        even = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x2404;", "=r,r", [pairs], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+        odd = tl.inline_asm_elementwise("and.b32 $0, $1, 0xFF00FF00;", "=r,r", [pairs], dtype=tl.float16,
+                                        is_pure=True, pack=2)
+    return even, odd
+
+
+@triton.jit
+def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale,
+                        max_blocks, rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
+                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
+    int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
+    odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
+    from shared memory, where widening the bytes in the operand layout costs Triton byte loads and converts
+    (H200, batch 64, contexts 256-382: 23.8 -> 16.0 us a layer; the bf16 cache's kernel 26.8).
+
+    ROPE (a table row a sequence): q_ptr is the merged qkv rows, and the kernel first does what
+    _qkv_rope_store_kernel would (q/k norm, rotation, this kv head's new key and value into the cache: a launch
+    less a layer); the barrier after it makes those stores visible to the key loop."""
+    seq, kvh = tl.program_id(0), tl.program_id(1)
+    GROUP: tl.constexpr = H // KVH
+    HALF: tl.constexpr = D // 2
+    r = tl.arange(0, BLOCK_M)
+    ok = r < GROUP
+    head = kvh * GROUP + r
+    if ROPE:  # read before the wait: none of it comes from qkv's producer
+        qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
+        kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
+        slot = tl.load(slot_ptr + seq)
+        cos, sin = _cos_sin(cos_sin_ptr + tl.load(pos_ptr + seq).to(tl.int64) * D, D)
+    _after_producer(PDL)
+    q_first = tl.load(qstart_ptr + seq)
+    if tl.load(qstart_ptr + seq + 1) > q_first:
+        ctx = tl.load(ctx_ptr + seq)
+        j = tl.arange(0, HALF)
+        if ROPE:
+            row_ptr = q_ptr + q_first * stride_q
+            q = _apply_norm_rope(row_ptr + head[:, None] * D, qw, qw_swapped, cos, sin, eps, ok[:, None], D,
+                                 HAS_NORM, q_ptr.dtype.element_ty)
+            q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
+            if slot >= 0:
+                _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H, KVH, D, 1,
+                              HAS_NORM, q_ptr.dtype.element_ty)
+            tl.debug_barrier()
+        else:
+            q_offs = q_first * (H * D) + head[:, None] * D + 2 * j[None, :]
+            q_even = tl.load(q_ptr + q_offs, mask=ok[:, None], other=0.0)
+            q_odd = tl.load(q_ptr + q_offs + 1, mask=ok[:, None], other=0.0)
+        q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
+        acc_even, m_i, l_i = _softmax_start(BLOCK_M, HALF)
+        acc_odd = tl.zeros([BLOCK_M, HALF], tl.float32)
+        table = seq // rows_per_table
+        for start in range(0, ctx, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < ctx
+            block = tl.load(tables_ptr + table * max_blocks + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            offs = ((block * BLOCK_SIZE + n % BLOCK_SIZE) * (KVH * HALF) + kvh * HALF)[:, None] + j[None, :]
+            k_even, k_odd = _e5m2_pairs_to_fp16(tl.load(k_pairs + offs, mask=n_ok[:, None], other=0))
+            s = _dot(q_odd, tl.trans(k_odd), _dot(q_even, tl.trans(k_even)))
+            s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v_even, v_odd = _e5m2_pairs_to_fp16(tl.load(v_pairs + offs, mask=n_ok[:, None], other=0))
+            p16 = p.to(tl.float16)
+            acc_even = _dot(p16, v_even, acc_even * alpha[:, None])
+            acc_odd = _dot(p16, v_odd, acc_odd * alpha[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+        out_offs = q_first * (H * D) + head[:, None] * D + 2 * j[None, :]
+        tl.store(out_ptr + out_offs, (acc_even * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(out_ptr + out_offs + 1, (acc_odd * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -1053,11 +1140,12 @@ def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, in
 
 
 def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
-    """(keys a tile, warps, pipeline stages) of the paged attention kernel. Decode steps (one query row a
-    sequence) with head_dim 128: 64 keys, two warps (the fastest of a sweep on an H200 at batch 64, context 320:
-    bf16 cache 24.9 us a layer vs 25.7 for four warps; fp8-e5m2 21.1, four stages, vs 28.9 for four warps)."""
+    """(keys a tile, warps, pipeline stages) of the paged attention kernels. Decode steps (one query row a
+    sequence) with head_dim 128, the fastest of sweeps on an H200 at batch 64, contexts 256-382: a bf16 cache 64
+    keys, two warps (24.9 us a layer vs 25.7 for four warps); an fp8-e5m2 cache (_decode_e5m2_kernel) 128 keys,
+    four warps, two stages (16.0 us; 64 keys 19.6-20.5, two warps 17.3-17.7, 256 keys 22.7-32.5)."""
     if decode and dim <= 128:
-        return 64, 2, 4 if e5m2 else 3
+        return (128, 4, 2) if e5m2 else (64, 2, 3)
     return (64 if dim <= 128 else 32), 4, 3
 
 
@@ -1221,12 +1309,15 @@ class CudaKernels(ReferenceKernels):
 
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
                        scale, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
-        """qkv_rope_store then attention: [T, H, D]. Split decode steps do both in the attention kernel."""
-        if self._split_kv(meta):
+        """qkv_rope_store then attention: [T, H, D]. Split decode steps, and decode steps over an fp8-e5m2 cache
+        whose rows each have a table row, do both in the attention kernel."""
+        split = self._split_kv(meta)
+        own_tables = meta.block_tables.shape[0] == qkv.shape[0]
+        if split or own_tables and self._reads_e5m2_pairs(k_cache, meta, head_dim):
             out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if qkv.shape[0]:
-                self._split_decode(qkv, k_cache, v_cache, meta, scale, out,
-                                   rope=(q_norm, k_norm, cos_sin, positions, eps))
+                decode = self._split_decode if split else self._decode_e5m2
+                decode(qkv, k_cache, v_cache, meta, scale, out, rope=(q_norm, k_norm, cos_sin, positions, eps))
             return out
         q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
                                 num_heads, num_kv_heads, head_dim)
@@ -1245,6 +1336,8 @@ class CudaKernels(ReferenceKernels):
             return out
         if self._split_kv(meta):
             return self._split_decode(q.view(n_seqs, -1), k_cache, v_cache, meta, scale, out)
+        if self._reads_e5m2_pairs(k_cache, meta, dim):
+            return self._decode_e5m2(q, k_cache, v_cache, meta, scale, out)
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
@@ -1254,6 +1347,26 @@ class CudaKernels(ReferenceKernels):
             meta.block_tables.shape[1], n_seqs // max(meta.block_tables.shape[0], 1), H=heads, KVH=kv_heads, D=dim,
             BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             num_stages=stages, **self._pdl)
+        return out
+
+    @staticmethod
+    def _reads_e5m2_pairs(k_cache, meta: AttentionMetadata, dim: int) -> bool:
+        """Decode steps over an fp8-e5m2 cache take _decode_e5m2_kernel (head_dim a power of two, >= 32)."""
+        return meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
+
+    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None):
+        """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
+        n_seqs, heads, dim = out.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        block_n, warps, stages = paged_config(dim, True, True)
+        q_norm, k_norm, cos_sin, positions, eps = rope or (None, None, q, meta.context_lens, 0.0)
+        _decode_e5m2_kernel[(n_seqs, kv_heads)](
+            q, k_cache, v_cache, k_cache.view(torch.int16), v_cache.view(torch.int16), out, meta.block_tables,
+            meta.query_start, meta.context_lens, scale, meta.block_tables.shape[1],
+            n_seqs // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if q_norm is not None else q,
+            k_norm if k_norm is not None else q, cos_sin, positions, meta.slot_mapping, eps, H=heads, KVH=kv_heads,
+            D=dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n,
+            ROPE=rope is not None, HAS_NORM=q_norm is not None, num_warps=warps, num_stages=stages, **self._pdl)
         return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
