@@ -329,7 +329,7 @@ def gemm_sweep(loaded):
                     if rows > 2:  # what linear does with a batch: the dequantization pass, then the skinny GEMM
                         variants["linear: dequant+skinny"] = lambda i: k.linear(x, weight(i))
                 else:
-                    chosen = skinny_config(w0.shape[0], width, rows)
+                    chosen = skinny_config(w0.shape[0], width, rows, k._weight_kind(w0)[1].element_size())
                     variants[f"skinny {chosen}"] = lambda i: k.skinny_gemm(x, weight(i))
                     for conf in ((16, 256, 4, 1), (32, 128, 4, 1), (64, 128, 3, 1)):
                         if conf != chosen:
