@@ -329,7 +329,7 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
                         max_blocks, rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                        PDL: tl.constexpr, fp8_ptr=None, fp8_scale_ptr=None, FMAX: tl.constexpr = 0.0):
+                        PDL: tl.constexpr):
     """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
     int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
     odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
@@ -338,11 +338,7 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
 
     ROPE (a table row a sequence): q_ptr is the merged qkv rows, and the kernel first does what
     _qkv_rope_store_kernel would (q/k norm, rotation, this kv head's new key and value into the cache: a launch
-    less a layer); the barrier after it makes those stores visible to the key loop.
-
-    FMAX: the output, rounded to out_ptr's dtype as it would be stored, goes out as fp8 (fp8_ptr) with one scale
-    per sequence and kv head (fp8_scale_ptr [rows, KVH]) for an fp8 o projection: its quantization pass (a
-    launch a layer) folded in, at a finer grain than per token."""
+    less a layer); the barrier after it makes those stores visible to the key loop."""
     seq, kvh = tl.program_id(0), tl.program_id(1)
     GROUP: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -396,20 +392,8 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
             m_i = m_new
         inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
         out_offs = q_first * (H * D) + head[:, None] * D + 2 * j[None, :]
-        out_even = (acc_even * inv[:, None]).to(out_ptr.dtype.element_ty)
-        out_odd = (acc_odd * inv[:, None]).to(out_ptr.dtype.element_ty)
-        if FMAX > 0:
-            out_even, out_odd = out_even.to(tl.float32), out_odd.to(tl.float32)
-            amax = tl.max(tl.max(tl.where(ok[:, None], tl.maximum(_finite_abs(out_even), _finite_abs(out_odd)),
-                                          0.0), axis=1), axis=0)
-            x_scale = _fp8_scale(amax, FMAX)
-            fp8 = fp8_ptr.dtype.element_ty
-            tl.store(fp8_ptr + out_offs, _fp8_values(out_even, x_scale, FMAX).to(fp8), mask=ok[:, None])
-            tl.store(fp8_ptr + out_offs + 1, _fp8_values(out_odd, x_scale, FMAX).to(fp8), mask=ok[:, None])
-            tl.store(fp8_scale_ptr + q_first * KVH + kvh, x_scale)
-        else:
-            tl.store(out_ptr + out_offs, out_even, mask=ok[:, None])
-            tl.store(out_ptr + out_offs + 1, out_odd, mask=ok[:, None])
+        tl.store(out_ptr + out_offs, (acc_even * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(out_ptr + out_offs + 1, (acc_odd * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -641,31 +625,17 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _finite_abs(x):
-    return tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0)
-
-
-@triton.jit
-def _fp8_scale(amax, FMAX: tl.constexpr):
-    """The dynamic activation scale that puts amax (of the finite values) on the format maximum."""
-    # Floor at the smallest fp32 subnormal (bit pattern 1), written as bits: a literal that small becomes fp64.
-    tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
-    return tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
-
-
-@triton.jit
-def _fp8_values(x, scale, FMAX: tl.constexpr):
-    """x / scale saturated to the format's range (float32; the caller casts)."""
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
-    return tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
-
-
-@triton.jit
 def _quantize_row(x, q_ptrs, m, scale_ptr, FMAX: tl.constexpr):
     """Dynamic per-token activation scale: amax of the row's finite values (x, float32, 0 where not m) lands on
     the format maximum; stores the fp8 row at q_ptrs and its scale."""
-    scale = _fp8_scale(tl.max(_finite_abs(x), axis=0), FMAX)
-    tl.store(q_ptrs, _fp8_values(x, scale, FMAX).to(q_ptrs.dtype.element_ty), mask=m)
+    finite = tl.abs(x) < float("inf")
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=0)
+    # Floor at the smallest fp32 subnormal (bit pattern 1), written as bits: a literal that small becomes fp64.
+    tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
+    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    q = tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=m)
     tl.store(scale_ptr, scale)
 
 
@@ -856,12 +826,11 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
 def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                         WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, PDL: tl.constexpr, X_GROUPS: tl.constexpr = 1):
+                        LINE: tl.constexpr, PDL: tl.constexpr):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
-    they are; the epilogue applies x_scale ⊗ w_scale. X_GROUPS > 1: x has a scale per row and group of
-    K / X_GROUPS columns (x_scale [M, X_GROUPS]; BLOCK_K divides a group), applied to each K step's product.
+    they are; the epilogue applies x_scale ⊗ w_scale.
     INT4 (WKIND 2): each W tile is widened to x's dtype in registers (_int4_tile, as the dequantization pass
     does), so the products are those of the dequantized weight.
     SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
@@ -887,11 +856,7 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
             w = _int4_tile(w_ptr, scales_ptr, offsets_ptr, rn, n_ok, K, k0, GROUP, BLOCK_N, BLOCK_K, True).to(x.dtype)
         else:
             w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
-        if X_GROUPS > 1:
-            x_scale = tl.load(x_scale_ptr + rm * X_GROUPS + k0 // (K // X_GROUPS), mask=m_ok, other=0.0)
-            acc += _dot(x, tl.trans(w)) * x_scale[:, None]
-        else:
-            acc += _dot(x, tl.trans(w))
+        acc += _dot(x, tl.trans(w))
     tile_offs = rm[:, None] * N + rn[None, :]
     last = True
     if SPLIT_K > 1:
@@ -906,8 +871,7 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
             tl.atomic_xchg(count_ptr + tile, 0)
     if last:
         if WKIND == 1:
-            if X_GROUPS == 1:
-                acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+            acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
             acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
         tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -1242,10 +1206,8 @@ def _key_chunks(sampled: torch.Tensor) -> int:
 
 @dataclass
 class Fp8Rows:
-    """Activations quantized to fp8-e4m3 by the kernel that produced them (an rmsnorm, SiLU-and-mul or decode
-    attention ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale
-    [rows, groups], one scale per row (token) and group of K / groups columns; groups > 1 only the skinny GEMM
-    reads (_takes_fp8_rows(..., grouped=True))."""
+    """Activations quantized per token to fp8-e4m3 by the kernel that produced them (an rmsnorm or SiLU-and-mul
+    ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale [rows, 1]."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -1260,9 +1222,9 @@ class Fp8Rows:
         return self.data.device
 
 
-def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor, groups: int = 1) -> Fp8Rows:
+def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
-                   torch.empty(rows, groups, dtype=torch.float32, device=like.device), like.dtype)
+                   torch.empty(rows, 1, dtype=torch.float32, device=like.device), like.dtype)
 
 
 class CudaKernels(ReferenceKernels):
@@ -1355,26 +1317,20 @@ class CudaKernels(ReferenceKernels):
         return q
 
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-                       scale, num_heads, num_kv_heads, head_dim, feeds: Weight | None = None):
-        """qkv_rope_store then attention: [T, H * D], the heads side by side as the o projection takes them. Split
-        decode steps, and decode steps over an fp8-e5m2 cache whose rows each have a table row, do both in the
-        attention kernel; the latter write fp8 rows with a scale per kv head (Fp8Rows) where feeds, the weight the
-        output goes to, takes them."""
+                       scale, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
+        """qkv_rope_store then attention: [T, H, D]. Split decode steps, and decode steps over an fp8-e5m2 cache
+        whose rows each have a table row, do both in the attention kernel."""
         split = self._split_kv(meta)
-        rows = qkv.shape[0]
-        if split or meta.block_tables.shape[0] == rows and self._reads_e5m2_pairs(k_cache, meta, head_dim):
-            out = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-            rope = (q_norm, k_norm, cos_sin, positions, eps)
-            if split:
-                return self._split_decode(qkv, k_cache, v_cache, meta, scale, out, rope=rope).flatten(1)
-            fp8 = None
-            if feeds is not None and self._takes_fp8_rows(out.flatten(1), feeds, grouped=True):
-                fp8 = _empty_fp8_rows(rows, num_heads * head_dim, out, groups=num_kv_heads)
-            out = self._decode_e5m2(qkv, k_cache, v_cache, meta, scale, out, rope=rope, fp8=fp8)
-            return out.flatten(1) if fp8 is None else fp8
+        own_tables = meta.block_tables.shape[0] == qkv.shape[0]
+        if split or own_tables and self._reads_e5m2_pairs(k_cache, meta, head_dim):
+            out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+            if qkv.shape[0]:
+                decode = self._split_decode if split else self._decode_e5m2
+                decode(qkv, k_cache, v_cache, meta, scale, out, rope=(q_norm, k_norm, cos_sin, positions, eps))
+            return out
         q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
                                 num_heads, num_kv_heads, head_dim)
-        return self.attention(q, k_cache, v_cache, meta, scale).flatten(1)
+        return self.attention(q, k_cache, v_cache, meta, scale)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """Paged attention; context_lens may list k times as many sequences as block_tables has rows, each k
@@ -1407,10 +1363,8 @@ class CudaKernels(ReferenceKernels):
         """Decode steps over an fp8-e5m2 cache take _decode_e5m2_kernel (head_dim a power of two, >= 32)."""
         return meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
 
-    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None,
-                     fp8: Fp8Rows | None = None):
-        """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows.
-        Writes out, or fp8 (returned then) with a scale per row and kv head."""
+    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None):
+        """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
         n_seqs, heads, dim = out.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         block_n, warps, stages = paged_config(dim, True, True)
@@ -1421,10 +1375,8 @@ class CudaKernels(ReferenceKernels):
             n_seqs // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if q_norm is not None else q,
             k_norm if k_norm is not None else q, cos_sin, positions, meta.slot_mapping, eps, H=heads, KVH=kv_heads,
             D=dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n,
-            ROPE=rope is not None, HAS_NORM=q_norm is not None, num_warps=warps, num_stages=stages, **self._pdl,
-            **({} if fp8 is None else {"fp8_ptr": fp8.data, "fp8_scale_ptr": fp8.scale,
-                                       "FMAX": FP8_MAX["fp8-e4m3"]}))
-        return out if fp8 is None else fp8
+            ROPE=rope is not None, HAS_NORM=q_norm is not None, num_warps=warps, num_stages=stages, **self._pdl)
+        return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
         """Decode-only steps the runner captured with KV splits take the split-KV kernel."""
@@ -1516,9 +1468,6 @@ class CudaKernels(ReferenceKernels):
             config = (int4_skinny_config(k, tile_rows, group) if kind == INT4
                       else skinny_config(n, k, tile_rows, data.element_size()))
         block_n, block_k, stages, split_k = config
-        x_groups = x_scale.shape[1] if kind == FP8 else 1
-        while (k // x_groups) % block_k:  # each K step inside one group of x's scales
-            block_k //= 2
         if k % (split_k * block_k):
             split_k = 1
         block_m = max(16, _pow2(tile_rows))
@@ -1528,8 +1477,7 @@ class CudaKernels(ReferenceKernels):
         _skinny_gemm_kernel[grid](
             x_in, x_scale, data, scales, offsets, out, parts, counts, rows, n, k, WKIND=kind, GROUP=group,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages,
-            PREFETCH_LINES=self._prefetch_lines(kind, k // split_k), LINE=128 // data.element_size(),
-            X_GROUPS=x_groups, **self._pdl)
+            PREFETCH_LINES=self._prefetch_lines(kind, k // split_k), LINE=128 // data.element_size(), **self._pdl)
         return out
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
@@ -1569,14 +1517,13 @@ class CudaKernels(ReferenceKernels):
         return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
                                 out_dtype=x.dtype)
 
-    def _takes_fp8_rows(self, x, w, grouped: bool = False) -> bool:
+    def _takes_fp8_rows(self, x, w) -> bool:
         """Whether linear(x, w) starts by quantizing x per token to fp8-e4m3 (the skinny fp8 GEMM, or
-        torch._scaled_mm for more rows): then x's producer can write it so (Fp8Rows) and save that pass.
-        grouped: with a scale per group of columns, which only the skinny GEMM takes."""
+        torch._scaled_mm for more rows): then x's producer can write it so (Fp8Rows) and save that pass."""
         fp8_e4m3 = isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3"
         if not fp8_e4m3 or x.dtype not in (torch.bfloat16, torch.float16) or self._gemv_route(x, w):
             return False
-        return self._skinny_fits(x, w) or not grouped and self._scaled_mm_fits(w)
+        return self._skinny_fits(x, w) or self._scaled_mm_fits(w)
 
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
