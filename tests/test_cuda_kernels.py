@@ -394,6 +394,13 @@ def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
         context_lens_host=(5, 9, 20, 130))
     one_table = dataclasses.replace(shared, block_tables=meta.block_tables[[2, 2, 2, 2]].contiguous())
     assert nmse(CUDA.attention(q, kc, vc, shared, 0.2), REF.attention(q, kc, vc, one_table, 0.2)) < 1e-4
+    kernels_module._decode_e5m2_kernel = type("Spy", (), {"__getitem__": lambda _, grid: calls.append(grid) or
+                                                          real[grid]})()
+    try:  # fp32 activations keep fp32 dots (the paged kernel): the pairs kernel's are fp16
+        CUDA.attention(q.float(), kc, vc, meta, 0.2)
+    finally:
+        kernels_module._decode_e5m2_kernel = real
+    assert calls == [(4, kv_heads)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", [(4, 2, 32, True), (9, 3, 64, False)])

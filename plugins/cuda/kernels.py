@@ -1322,7 +1322,7 @@ class CudaKernels(ReferenceKernels):
         whose rows each have a table row, do both in the attention kernel."""
         split = self._split_kv(meta)
         own_tables = meta.block_tables.shape[0] == qkv.shape[0]
-        if split or own_tables and self._reads_e5m2_pairs(k_cache, meta, head_dim):
+        if split or own_tables and self._reads_e5m2_pairs(qkv, k_cache, meta, head_dim):
             out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if qkv.shape[0]:
                 decode = self._split_decode if split else self._decode_e5m2
@@ -1345,7 +1345,7 @@ class CudaKernels(ReferenceKernels):
             return out
         if self._split_kv(meta):
             return self._split_decode(q.view(n_seqs, -1), k_cache, v_cache, meta, scale, out)
-        if self._reads_e5m2_pairs(k_cache, meta, dim):
+        if self._reads_e5m2_pairs(q, k_cache, meta, dim):
             return self._decode_e5m2(q, k_cache, v_cache, meta, scale, out)
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
@@ -1359,9 +1359,11 @@ class CudaKernels(ReferenceKernels):
         return out
 
     @staticmethod
-    def _reads_e5m2_pairs(k_cache, meta: AttentionMetadata, dim: int) -> bool:
-        """Decode steps over an fp8-e5m2 cache take _decode_e5m2_kernel (head_dim a power of two, >= 32)."""
-        return meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
+    def _reads_e5m2_pairs(q, k_cache, meta: AttentionMetadata, dim: int) -> bool:
+        """Decode steps over an fp8-e5m2 cache with 16-bit activations take _decode_e5m2_kernel (head_dim a power
+        of two, >= 32); fp32 ones keep fp32 dots in the paged kernel."""
+        return (meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
+                and q.dtype in (torch.bfloat16, torch.float16))
 
     def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None):
         """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
