@@ -1149,13 +1149,20 @@ def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, in
 
 
 def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
-    """(keys a tile, warps, pipeline stages) of the paged attention kernels. Decode steps (one query row a
-    sequence) with head_dim 128, the fastest of sweeps on an H200 at batch 64, contexts 256-382: a bf16 cache 64
-    keys, two warps (24.9 us a layer vs 25.7 for four warps); an fp8-e5m2 cache (_decode_e5m2_kernel) 128 keys,
-    four warps, two stages (16.0 us; 64 keys 19.6-20.5, two warps 17.3-17.7, 256 keys 22.7-32.5)."""
+    """(keys a tile, warps, pipeline stages) of the paged attention kernel. Decode steps (one query row a
+    sequence) with head_dim 128: 64 keys, two warps (the fastest of a sweep on an H200 at batch 64, context 320:
+    bf16 cache 24.9 us a layer vs 25.7 for four warps; fp8-e5m2 21.1, four stages, vs 28.9 for four warps)."""
     if decode and dim <= 128:
-        return (128, 4, 2) if e5m2 else (64, 2, 3)
+        return 64, 2, 4 if e5m2 else 3
     return (64 if dim <= 128 else 32), 4, 3
+
+
+def e5m2_decode_config(dim: int) -> tuple[int, int, int]:
+    """(keys a tile, warps, pipeline stages) of _decode_e5m2_kernel: 128 keys, four warps, two stages up to
+    head_dim 128 (the fastest of 24 configs on an H200 at batch 64, contexts 256-382: Qwen3 16.0 us a layer, 64
+    keys 19.6-20.5, two warps 17.3-17.7, 256 keys 22.7-32.5; SmolLM2 8.5 vs 10.9-11.6 for 64 keys); a tile of the
+    same bytes past it."""
+    return (128 if dim <= 128 else 64), 4, 2
 
 
 def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
@@ -1369,7 +1376,7 @@ class CudaKernels(ReferenceKernels):
         """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
         n_seqs, heads, dim = out.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        block_n, warps, stages = paged_config(dim, True, True)
+        block_n, warps, stages = e5m2_decode_config(dim)
         q_norm, k_norm, cos_sin, positions, eps = rope or (None, None, q, meta.context_lens, 0.0)
         _decode_e5m2_kernel[(n_seqs, kv_heads)](
             q, k_cache, v_cache, k_cache.view(torch.int16), v_cache.view(torch.int16), out, meta.block_tables,
