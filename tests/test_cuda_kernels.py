@@ -3,6 +3,7 @@
 On a CUDA machine the same tests run the compiled kernels on the GPU (TRITON_INTERPRET stays unset there).
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -369,6 +370,22 @@ def test_attention_reads_fp8_e5m2_cache():
     assert nmse(CudaKernels(decode_splits=4).attention(q, kc, vc, meta, 0.2), ref) < 1e-4
 
 
+@contextlib.contextmanager
+def _launches_of(kernel_name):
+    """The grids the named Triton kernel of the CUDA kernels module is launched with inside the block."""
+    calls, real = [], getattr(kernels_module, kernel_name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+    setattr(kernels_module, kernel_name, Spy())
+    try:
+        yield calls
+    finally:
+        setattr(kernels_module, kernel_name, real)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (9, 3, 64)])
 def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
     """Decode rows over an fp8-e5m2 cache go through _decode_e5m2_kernel (the cache as int16 pairs, even and odd
@@ -376,14 +393,8 @@ def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
     no context comes out zero, and rows sharing a table row (a verify step's) see only their own contexts."""
     contexts = [1, 9, 130, 0]
     q, kc, vc, meta = _paged_setup([1] * 4, contexts, heads, kv_heads, dim, kv_dtype=torch.float8_e5m2)
-    calls = []
-    real = kernels_module._decode_e5m2_kernel
-    kernels_module._decode_e5m2_kernel = type("Spy", (), {"__getitem__": lambda _, grid: calls.append(grid) or
-                                                          real[grid]})()
-    try:
+    with _launches_of("_decode_e5m2_kernel") as calls:
         out = CUDA.attention(q, kc, vc, meta, 0.2)
-    finally:
-        kernels_module._decode_e5m2_kernel = real
     assert calls == [(4, kv_heads)]
     ref = REF.attention(q, kc, vc, meta, 0.2)
     assert nmse(out, ref) < 1e-4 and (out[3] == 0).all()
@@ -394,13 +405,9 @@ def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
         context_lens_host=(5, 9, 20, 130))
     one_table = dataclasses.replace(shared, block_tables=meta.block_tables[[2, 2, 2, 2]].contiguous())
     assert nmse(CUDA.attention(q, kc, vc, shared, 0.2), REF.attention(q, kc, vc, one_table, 0.2)) < 1e-4
-    kernels_module._decode_e5m2_kernel = type("Spy", (), {"__getitem__": lambda _, grid: calls.append(grid) or
-                                                          real[grid]})()
-    try:  # fp32 activations keep fp32 dots (the paged kernel): the pairs kernel's are fp16
+    with _launches_of("_decode_e5m2_kernel") as calls:  # fp32 activations keep the paged kernel's fp32 dots
         CUDA.attention(q.float(), kc, vc, meta, 0.2)
-    finally:
-        kernels_module._decode_e5m2_kernel = real
-    assert calls == [(4, kv_heads)]
+    assert calls == []
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", [(4, 2, 32, True), (9, 3, 64, False)])
