@@ -251,13 +251,22 @@ def _softmax_update(q, k, v, n, lo, hi, q_pos, scale, acc, m_i, l_i):
     bit for bit, so a row may run through tiles that are not its own."""
     s = _dot(q, tl.trans(k)) * scale
     s = tl.where((n[None, :] >= lo) & (n[None, :] < hi) & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    p, alpha, m_new = _softmax_step(s, m_i)
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _softmax_step(s, m_i):
+    """The online softmax over one tile of masked scores s [rows, keys]: (p, alpha = the rescale of what the rows
+    summed so far, the new running max). Callers add p's row sums after their P.V dot (the order the kernels were
+    timed in: summing first moves a barrier into the key loop)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    return acc, m_new, l_i
+    return p, alpha, m_new
 
 
 @triton.jit
@@ -379,11 +388,7 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
             offs = ((block * BLOCK_SIZE + n % BLOCK_SIZE) * (KVH * HALF) + kvh * HALF)[:, None] + j[None, :]
             k_even, k_odd = _e5m2_pairs_to_fp16(tl.load(k_pairs + offs, mask=n_ok[:, None], other=0))
             s = _dot(q_odd, tl.trans(k_odd), _dot(q_even, tl.trans(k_even)))
-            s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            p, alpha, m_new = _softmax_step(tl.where(n_ok[None, :], s * scale, float("-inf")), m_i)
             v_even, v_odd = _e5m2_pairs_to_fp16(tl.load(v_pairs + offs, mask=n_ok[:, None], other=0))
             p16 = p.to(tl.float16)
             acc_even = _dot(p16, v_even, acc_even * alpha[:, None])
