@@ -51,6 +51,11 @@ class Backend:
         """Storage of the LM head, the largest single matrix of small models."""
         return self.activation_dtype(precision)
 
+    def quantized_head(self, precision: Precision) -> bool:
+        """Whether the LM head is stored in `precision` like the projections (a tied one then keeps a copy apart
+        from the embedding table) rather than dense in head_dtype."""
+        return False
+
     def preferred_precision(self, weights: dict) -> str:
         """The precision used when none is asked for; may depend on how the checkpoint is stored."""
         return self.default_precision

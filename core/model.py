@@ -36,6 +36,7 @@ class DecoderModel:
         device: torch.device,
         activation_dtype: torch.dtype,
         head_dtype: torch.dtype | None = None,
+        quantized_head: bool = False,
     ):
         self.config, self.kernels, self.precision = config, kernels, precision
         self.device, self.dtype = device, activation_dtype
@@ -44,11 +45,13 @@ class DecoderModel:
         self.layers = [self._layer(take, f"model.layers.{i}.") for i in range(config.num_layers)]
         self.norm = take.dense("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         head_dtype = head_dtype or activation_dtype
-        # A tied head shares the embedding table unless the backend stores it in another dtype.
-        self.lm_head = self.embed if tied and head_dtype == activation_dtype else take.dense(
-            "model.embed_tokens.weight" if tied else "lm_head.weight", head_dtype
-        )
+        # A tied head shares the embedding table unless the backend stores it otherwise.
+        if quantized_head:
+            self.lm_head = take.linear([head_name])
+        else:
+            self.lm_head = self.embed if tied and head_dtype == activation_dtype else take.dense(head_name, head_dtype)
         self.cos_sin = rope_cache(config, device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

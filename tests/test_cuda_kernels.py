@@ -543,6 +543,57 @@ def test_skinny_config_steps_by_bytes_of_a_weight_row_past_32_rows():
     assert skinny_config(6144, 1024, 8, 1) == skinny_config(6144, 1024, 8, 2) == (32, 128, 4, 1)  # <= 32 rows
 
 
+def test_vocabulary_projections_take_their_own_skinny_config():
+    """Past GEMV_MAX_N outputs: 64 weight rows a program, 256 bytes of a row a step, whatever the row count."""
+    from flashnext.plugins.cuda.kernels import skinny_config
+
+    assert skinny_config(151936, 1024, 64, 1) == skinny_config(151936, 1024, 8, 1) == (64, 256, 3, 1)
+    assert skinny_config(151936, 1024, 16, 2) == (64, 128, 3, 1)
+    assert skinny_config(49152, 576, 64, 1) == (64, 64, 3, 1)  # SmolLM2: halved until the step divides K
+
+
+def test_wide_outputs_fit_the_skinny_gemm_when_fp8_or_only_their_argmax_is_wanted():
+    x = rand(64, 64)
+    wide = kernels_module.GEMV_MAX_N + 16
+    fp8_head = kernels_module.Fp8Weight(torch.zeros(wide, 64, dtype=torch.float8_e4m3fn), torch.ones(wide, 1))
+    bf16_head = torch.zeros(wide, 64, dtype=torch.bfloat16)
+    assert CUDA._skinny_fits(x, fp8_head) and not CUDA._skinny_fits(rand(65, 64), fp8_head)
+    assert not CUDA._skinny_fits(x, bf16_head) and CUDA._skinny_fits(x, bf16_head, keys_only=True)
+
+
+@pytest.fixture
+def narrow_gemv_n(monkeypatch):
+    """A 300-token vocabulary counts as wide (past GEMV_MAX_N), as Qwen3's 151,936 does, at interpreter sizes."""
+    monkeypatch.setattr(kernels_module, "GEMV_MAX_N", 64)
+
+
+@pytest.mark.parametrize("head_kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("rows", [2, 6])
+def test_greedy_keys_fold_the_argmax_into_the_vocabulary_projection(narrow_gemv_n, head_kind, rows):
+    """Past the GEMV's rows the head's skinny GEMM writes argmax keys instead of logits (no argmax pass): the
+    tokens are the argmax of the logits the same kernel writes, the first of equal maxima, and decode_advance
+    hands the keys back zeroed for the next step. Up to the GEMV's rows an fp8 head stays in the GEMV (logits and an
+    argmax pass); a wide 16-bit one never takes the GEMV."""
+    vocab, dim = 300, 64
+    w = torch.randn(vocab, dim, device=DEV)
+    w[250] = w[17] = 4 * w[17]  # equal logits: 17 must win
+    head = fp8_quantize(w) if head_kind == "fp8" else w.to(torch.bfloat16)
+    x, res, w_norm = rand(rows, dim), rand(rows, dim), rand(dim).abs() + 0.5
+    x[0], res[0] = w[17].to(x.dtype), 0  # row 0's best tokens: 17 and 250
+    keys = torch.zeros(rows, kernels_module.argmax_chunks(vocab), dtype=torch.int64, device=DEV)
+    with _launches_of("_skinny_gemm_kernel") as gemms, _launches_of("_argmax_chunks_kernel") as passes:
+        CUDA.greedy_keys(x, res, w_norm, 1e-6, head, keys)
+    fused = rows > kernels_module.GEMV_MAX_ROWS or head_kind == "bf16"
+    assert (len(gemms), len(passes)) == ((1, 0) if fused else (0, 1))
+    normed = CUDA._norm_for(x, res, w_norm, 1e-6, head)[0]
+    logits = CUDA.skinny_gemm(normed, head) if gemms else CUDA.norm_linear(x, res, w_norm, 1e-6, head)[0]
+    ids, positions = torch.zeros(rows, dtype=torch.int64, device=DEV), torch.zeros(rows, dtype=torch.int64, device=DEV)
+    out, step = torch.zeros(1, rows, dtype=torch.int64, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+    CUDA.decode_advance(keys, ids, positions, out, step)
+    assert out[0].tolist() == logits.float().argmax(-1).tolist() and out[0, 0] == 17
+    assert not keys.any()
+
+
 def test_int4_skinny_config_takes_whole_groups_that_divide_k():
     from flashnext.plugins.cuda.kernels import int4_skinny_config
 

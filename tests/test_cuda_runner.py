@@ -103,3 +103,36 @@ def test_a_capture_after_a_full_chunk_writes_inside_the_token_buffer():
         batch.append(ScheduledSeq(seq, 1, 1))
     runner._ensure_graphs(batch, 2, True)
     assert int(runner.step_index) == 1  # the warm-up's one step wrote row 0
+
+
+def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monkeypatch):
+    """The decode body (a graph's, run eagerly) of an fp8 model with an fp8 head at a bucket past the GEMV's rows:
+    its argmax rides in the head's GEMM and the tokens are those of logits + an argmax pass, step after step; the
+    keys buffer is all zeros between steps, as the next step needs it."""
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp8-e4m3"], DEV,
+                         torch.bfloat16, quantized_head=True)
+    profile = Profile(name="full", cuda_graphs=True, graph_batch_sizes=[8], max_num_seqs=8)
+    runner = CudaGraphRunner.for_profile(profile)(model, 64, 4, torch.bfloat16)
+    batch = []
+    for i in range(6):
+        seq = Sequence(list(range(5 + i, 20 + 2 * i)), SamplingParams())
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        batch.append(ScheduledSeq(seq, len(seq), 1))
+    runner.run(batch)
+    for item in batch:
+        item.seq.num_computed = len(item.seq)
+        item.seq.token_ids.append(3)
+    decode = [ScheduledSeq(item.seq, 1, 1) for item in batch]
+
+    def three_steps():
+        runner._fill_inputs(decode, 8)
+        runner.step_index.zero_()
+        for _ in range(3):
+            runner._decode_body(8, greedy=True)
+            assert not runner.greedy_keys.any()
+        return runner.out_tokens[:3, :6].clone()
+
+    fused = three_steps()
+    monkeypatch.setattr(CudaKernels, "greedy_keys", lambda self, x, residual, norm_w, eps, w, keys: self.argmax_keys(
+        self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys))
+    assert torch.equal(fused, three_steps())

@@ -71,6 +71,26 @@ def test_fp8_kv_cache_runs_and_stays_close(loaded, reference):
     assert nmse(prompt_logits(engine, PROMPT), reference) < 5e-2
 
 
+def test_a_backend_may_store_its_lm_head_in_the_precision(loaded, reference):
+    """quantized_head: the head becomes the precision's weight (a tied embedding table stays dense for the lookup),
+    and the logits stay within fp8's bound of fp32 (the CUDA backend does this for fp8-e4m3)."""
+    from flashnext.core.precision import Fp8Weight, PRECISIONS
+    from flashnext.plugins.cuda import CudaBackend
+
+    class QuantizedHeadBackend(CpuBackend):
+        def quantized_head(self, precision):
+            return True
+
+    backend = QuantizedHeadBackend()
+    engine = LLMEngine(backend, loaded, "fp8-e4m3", backend.profiles()["full"])
+    dense = LLMEngine(CpuBackend(), loaded, "fp8-e4m3", CpuBackend().profiles()["full"])
+    assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(engine.model.embed, torch.Tensor)
+    assert torch.equal(engine.model.embed, dense.model.embed)
+    quantized, unquantized = prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT)
+    assert 0 < nmse(quantized, unquantized) and nmse(quantized, reference) < 3e-2
+    assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False, False]
+
+
 def test_cuda_probe_gives_a_reason():
     probe = cuda_probe()
     if torch.cuda.is_available():

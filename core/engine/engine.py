@@ -39,6 +39,7 @@ class LLMEngine:
             backend.device(),
             backend.activation_dtype(self.precision),
             backend.head_dtype(self.precision),
+            backend.quantized_head(self.precision),
         )
         self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

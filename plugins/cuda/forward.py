@@ -2,7 +2,8 @@
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
 prologue of the projection after it (the final one too where the vocabulary projection is a GEMV: quantized
-heads; a 16-bit head is the skinny GEMM or cuBLAS after a norm pass, see logits_of), q/k norm + rope
+heads; otherwise it is the skinny GEMM or cuBLAS after a norm pass, see logits_of, and a greedy step's argmax
+rides in that skinny GEMM, see greedy_keys_of), q/k norm + rope
 + the KV-cache write ride in the attention kernel (or are one pass before it), and SiLU-and-mul rides in the
 gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV,
 down GEMV).
@@ -49,6 +50,12 @@ def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, r
     """16-bit logits of forward_unnormed's output; the final norm rides in the projection's prologue where that is
     the register GEMV, else (16-bit heads) it is a pass of its own before the skinny GEMM or cuBLAS."""
     return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
+
+
+def greedy_keys_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor,
+                   keys: torch.Tensor) -> torch.Tensor:
+    """A greedy step's argmax keys (see CudaKernels.greedy_keys) of the logits logits_of would give."""
+    return kernels.greedy_keys(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head, keys)
 
 
 def live_rows(meta: AttentionMetadata) -> torch.Tensor | None:

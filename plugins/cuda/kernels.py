@@ -27,7 +27,8 @@ except ImportError:  # pragma: no cover - older Triton: kernels launch plainly
 GEMV_MAX_ROWS = 4
 # Input sizes whose whole row fits one program's registers (the GEMV keeps all of x and its W tile live).
 GEMV_MAX_K = 4096
-# Wider outputs (the vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already.
+# Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
+# quantized ones only our kernels read.
 GEMV_MAX_N = 32768
 # Keys a split-KV decode program reads per tile.
 SPLIT_BLOCK_N = 32
@@ -828,10 +829,10 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                        WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, keys_ptr, part_ptr, count_ptr,
+                        M, N, K, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, PDL: tl.constexpr):
+                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
@@ -842,6 +843,9 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
     multiples), so a few-MB weight is streamed by SPLIT_K times more programs. Each stores its fp32 partial tile
     in part_ptr and counts itself in count_ptr[tile]; the last to arrive adds the partials in slice order (the
     same bits whichever arrives last), writes out and sets the count back to 0 for the next call.
+    KEY_CHUNKS > 0 (a greedy step's vocabulary projection): the outputs, rounded to out_ptr's dtype, are not
+    written; each program's row maxima go into keys_ptr's [M, KEY_CHUNKS] argmax_keys keys (zeros on entry), chunk
+    pid_n % KEY_CHUNKS, by atomic max: the same keys whatever order the programs run in.
     """
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -878,7 +882,12 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
         if WKIND == 1:
             acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
             acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if KEY_CHUNKS > 0:
+            value = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            keys = tl.max(tl.where(ok, _argmax_key(value, rn[None, :]), 0), axis=1)
+            tl.atomic_max(keys_ptr + rm * KEY_CHUNKS + pid_n % KEY_CHUNKS, keys, mask=m_ok)
+        else:
+            tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -977,14 +986,16 @@ def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows
 def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr,
                            CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance.
-    CHUNKS > 0: tok_ptr holds argmax_keys' [rows, CHUNKS] keys, whose maximum per row is the token."""
+    CHUNKS > 0: tok_ptr holds argmax_keys' [rows, CHUNKS] keys, whose maximum per row is the token; they are set
+    back to zeros, as greedy_keys wants them next step."""
     _after_producer(PDL)
     r = tl.arange(0, BLOCK)
     m = r < rows
     step = tl.load(step_ptr)
     if CHUNKS > 0:
-        c = tl.arange(0, CHUNKS)
-        tok = _argmax_token(tl.load(tok_ptr + r[:, None] * CHUNKS + c[None, :], mask=m[:, None], other=0))
+        keys = tok_ptr + r[:, None] * CHUNKS + tl.arange(0, CHUNKS)[None, :]
+        tok = _argmax_token(tl.load(keys, mask=m[:, None], other=0))
+        tl.store(keys, tl.zeros([BLOCK, CHUNKS], tl.int64), mask=m[:, None])
     else:
         tok = tl.load(tok_ptr + r, mask=m)
     tl.store(out_ptr + step * out_stride + r, tok, mask=m)
@@ -1122,6 +1133,8 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     projection (gate/up, N >= 6,144) takes 64 rows a program (H200, Qwen3 at 64 rows, us a call, fp8 with its
     activations already fp8: qkv 3.78 -> 3.34, gate_up 4.61 -> 4.33, down 4.85 -> 4.72; bf16 gate_up 6.16 ->
     5.78)."""
+    if n > GEMV_MAX_N:  # a vocabulary projection
+        return _vocab_config(k, elem_bytes)
     if k >= 3072 and rows <= 16 and k % 1024 == 0:
         return 32, 256, 3, 4
     if rows > 32:
@@ -1133,6 +1146,17 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     while k % block_k:
         block_k //= 2
     return block_n, block_k, 4, 1
+
+
+def _vocab_config(k: int, elem_bytes: int) -> tuple[int, int, int, int]:
+    """Vocabulary projections: 64 rows a program, 256 bytes of a row a step, three stages. H200, Qwen3's head with
+    its norm: fp8 within 1% of the fastest of 18 configs at each of 8, 16, 32 and 64 rows (47.6, 48.2, 50.8, 54.9 us;
+    torch._scaled_mm 66.1, 66.0, 64.1, 60.2); bf16 keys (greedy_keys) the fastest of 9 at 8, 16 and 32 rows and
+    1.4% off it at 64."""
+    block_k = 256 // elem_bytes
+    while k % block_k:
+        block_k //= 2
+    return 64, block_k, 3, 1
 
 
 def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, int] | None:
@@ -1209,6 +1233,11 @@ def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     if _small_weight(n_out, k):
         return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
+
+
+def argmax_chunks(n: int) -> int:
+    """argmax_keys' chunks a row of n logits: a power of 2, at most ARGMAX_CHUNKS."""
+    return max(1, min(ARGMAX_CHUNKS, _pow2(n // ARGMAX_MIN_CHUNK + 1) // 2))
 
 
 def _key_chunks(sampled: torch.Tensor) -> int:
@@ -1300,12 +1329,15 @@ class CudaKernels(ReferenceKernels):
         return out, res_out
 
     def silu_and_mul_fp8(self, x) -> Fp8Rows:
-        """silu_and_mul as per-token fp8-e4m3 rows (one program a row)."""
+        """silu_and_mul as per-token fp8-e4m3 rows (one program a row). Rows of 4,096+ padded columns take 16
+        warps (H200, Qwen3's 3,072 at 64 rows: 1.92 -> 1.59 us a call, a captured fp8 + e5m2 step 1,267.0 ->
+        1,242.1 us; 8 warps 1.70)."""
         rows, n = x.shape[0], x.shape[1] // 2
         out = _empty_fp8_rows(rows, n, x)
         if rows:
-            _silu_mul_kernel[(rows, 1)](x.contiguous(), out.data, n, BLOCK=_pow2(n), scale_ptr=out.scale,
-                                        FMAX=FP8_MAX["fp8-e4m3"], **self._pdl)
+            block = _pow2(n)
+            _silu_mul_kernel[(rows, 1)](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
+                                        FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4, **self._pdl)
         return out
 
     # --- attention block pieces ----------------------------------------------------------------------------
@@ -1452,9 +1484,10 @@ class CudaKernels(ReferenceKernels):
             return super().linear(x, w, bias)
         return out if bias is None else out + bias.to(out.dtype)
 
-    def _skinny_fits(self, x, w) -> bool:
+    def _skinny_fits(self, x, w, keys_only: bool = False) -> bool:
         """fp8 weights at decode batch sizes (cuBLASLt's fp8 kernels are tuned for large M), and 16-bit ones
-        unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too. Int4 weights up to
+        unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too (and wide outputs
+        of which only greedy_keys' argmax is wanted: keys_only). Int4 weights up to
         INT4_SKINNY_MAX_ROWS rows (in row-invariant graphs any count, as a pass and a 16-bit GEMM sum in another
         order) where a K step of whole groups divides K."""
         if isinstance(w, Int4Weight):
@@ -1462,17 +1495,23 @@ class CudaKernels(ReferenceKernels):
                     and x.dtype in (torch.bfloat16, torch.float16)
                     and int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None)
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
-        small = x.shape[0] <= SKINNY_MAX_ROWS and w.shape[0] <= GEMV_MAX_N
+        # Wide 16-bit outputs (a vocabulary projection) stream better through cuBLAS, unless only their argmax is
+        # wanted (keys_only: greedy_keys); wide fp8 ones do not through torch._scaled_mm (H200, Qwen3's head at 64
+        # rows, norm included: bf16 cuBLAS 86.6 us, the skinny GEMM 100.2; fp8 torch._scaled_mm 60.1, the skinny
+        # GEMM 54.9).
+        wide_ok = isinstance(w, Fp8Weight) or keys_only
+        small = x.shape[0] <= SKINNY_MAX_ROWS and (w.shape[0] <= GEMV_MAX_N or wide_ok)
         return ((small or self.row_invariant) and x.shape[1] % 16 == 0
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and (dense or isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3"))
 
-    def skinny_gemm(self, x, w: Weight, config=None) -> torch.Tensor:
+    def skinny_gemm(self, x, w: Weight, config=None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
-        a 16-bit or int4 W (widened tile by tile) meets x as is."""
+        a 16-bit or int4 W (widened tile by tile) meets x as is. keys: see greedy_keys (then returned instead of the
+        outputs, which are not written)."""
         rows, k = x.shape
         n = w.shape[0]
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
         kind, data, scales, offsets, group = self._weight_kind(w)
         x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
         # Row-invariant graphs: one tile shape (16 rows, the mma's) and configuration whatever the row count, so
@@ -1489,10 +1528,11 @@ class CudaKernels(ReferenceKernels):
         parts, counts = (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1],
                                                                               x.device)
         _skinny_gemm_kernel[grid](
-            x_in, x_scale, data, scales, offsets, out, parts, counts, rows, n, k, WKIND=kind, GROUP=group,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages,
-            PREFETCH_LINES=self._prefetch_lines(kind, k // split_k), LINE=128 // data.element_size(), **self._pdl)
-        return out
+            x_in, x_scale, data, scales, offsets, out, out if keys is None else keys, parts, counts, rows, n, k,
+            WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
+            num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
+            LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], **self._pdl)
+        return out if keys is None else keys
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
         """128-byte lines of each weight row the skinny GEMM asks L2 for before its wait: fp8 weights only (an
@@ -1570,18 +1610,21 @@ class CudaKernels(ReferenceKernels):
         if self._gemv_route(x, w):
             return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True,
                              live=live)
-        if self._takes_fp8_rows(x, w):
-            normed, residual = self.add_rmsnorm_fp8(x, residual, norm_w, eps)
-        elif residual is None:
-            normed, residual = self.rmsnorm(x, norm_w, eps), x
-        else:
-            normed, residual = self.add_rmsnorm(x, residual, norm_w, eps)
+        normed, residual = self._norm_for(x, residual, norm_w, eps, w)
         out = self.linear(normed, w)
         if silu:
             act = out[:, : out.shape[1] // 2]  # the shape and dtype silu_and_mul's output will have
             fp8 = feeds is not None and self._takes_fp8_rows(act, feeds)
             out = self.silu_and_mul_fp8(out) if fp8 else self.silu_and_mul(out)
         return out, residual
+
+    def _norm_for(self, x, residual, norm_w, eps, w: Weight) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows where it can), and the new residual."""
+        if self._takes_fp8_rows(x, w):
+            return self.add_rmsnorm_fp8(x, residual, norm_w, eps)
+        if residual is None:
+            return self.rmsnorm(x, norm_w, eps), x
+        return self.add_rmsnorm(x, residual, norm_w, eps)
 
     @staticmethod
     def _weight_kind(w) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -1651,16 +1694,28 @@ class CudaKernels(ReferenceKernels):
                                               STAT_FIELDS=SPEC_STAT_FIELDS, K=k, Q_BLOCK=_pow2(k + 1),
                                               CHUNKS=_key_chunks(sampled), STOPS=stops.shape[1], **self._pdl)
 
-    def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
-        """[rows, chunks] packed (logit, index) maxima of chunks of each row; decode_advance finishes the argmax."""
+    def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None, out: torch.Tensor | None = None):
+        """[rows, chunks] packed (logit, index) maxima of chunks of each row (into out, if given); decode_advance
+        finishes the argmax."""
         rows, n = logits.shape
-        chunks = chunks or max(1, min(ARGMAX_CHUNKS, _pow2(n // ARGMAX_MIN_CHUNK + 1) // 2))  # a power of 2
-        keys = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+        chunks = out.shape[1] if out is not None else chunks or argmax_chunks(n)
+        keys = out if out is not None else torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
         chunk = triton.cdiv(n, chunks)
         if rows:
             _argmax_chunks_kernel[(rows, chunks)](logits, keys, n, chunk, CHUNKS=chunks, BLOCK=_pow2(chunk),
                                                   **self._pdl)
         return keys
+
+    def greedy_keys(self, x, residual, norm_w, eps, w: Weight, keys: torch.Tensor) -> torch.Tensor:
+        """argmax_keys of norm_linear(x, residual, norm_w, eps, w)'s outputs, into keys [rows, argmax_chunks(vocab)]
+        holding zeros (as decode_advance leaves them). Where that projection can be the skinny GEMM (past the
+        GEMV's rows: 16-bit heads as well as fp8 ones), its programs' row maxima go straight into keys and the
+        [rows, vocab] logits are never written. H200, Qwen3's head with its norm and decode_advance, us at 8 / 16 /
+        32 / 64 rows: bf16 89.9 / 95.7 / 103.6 / 121.0 through cuBLAS and an argmax pass, 78.6 / 79.8 / 84.1 /
+        92.9 here; fp8 at 64 rows 83.8 -> 67.5."""
+        if self._gemv_route(x, w) or not self._skinny_fits(x, w, keys_only=True):
+            return self.argmax_keys(self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys)
+        return self.skinny_gemm(self._norm_for(x, residual, norm_w, eps, w)[0], w, keys=keys)
 
     def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
         """tokens: [rows] sampled tokens, or argmax_keys' [rows, chunks] keys of a greedy step."""

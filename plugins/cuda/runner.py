@@ -39,8 +39,8 @@ from flashnext.core.spec.decoder import SpecStats, accepted_length
 
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 
-from .forward import forward, forward_unnormed, logits_of
-from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS
+from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
+from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -177,6 +177,8 @@ class CudaGraphRunner(ModelRunner):
         self.out_tokens = torch.zeros(MAX_DECODE_STEPS, rows, dtype=torch.int64, device=dev)
         self.step_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        # A greedy decode step's argmax keys: zeros between steps (decode_advance hands them back so).
+        self.greedy_keys = torch.zeros(rows, argmax_chunks(cfg.vocab_size), dtype=torch.int64, device=dev)
         if self.spec_rows:
             r, width = self.spec_rows, self.table_width * self.block_size
             t = r * self.verify_len  # verify rows: K + 1 a sequence
@@ -411,12 +413,13 @@ class CudaGraphRunner(ModelRunner):
         )
         # 16-bit logits: argmax over them equals argmax over their exact fp32 widening, and sample() widens
         # itself when it needs probabilities, so the [rows, vocab] fp32 copy compute_logits makes is skipped.
-        logits = logits_of(self.model, k, *forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches))
+        hidden, residual = forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches)
         if greedy:  # the argmax's second half rides in decode_advance
-            tokens = k.argmax_keys(logits)
+            tokens = greedy_keys_of(self.model, k, hidden, residual, self.greedy_keys[:rows])
         else:
             seeds = (request_seed * 1_000_003 + positions + 1) & _SEED_MASK
-            tokens = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
+            tokens = k.sample(logits_of(self.model, k, hidden, residual),
+                              SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
