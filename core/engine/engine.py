@@ -139,13 +139,16 @@ class LLMEngine:
             seq = item.seq
             if seq.status is Status.RUNNING and seq.num_uncomputed == 1:
                 ahead = min(len(seq) + self.runner.lookahead_tokens, self.max_model_len)
-                if self.blocks.can_grow(seq, ahead):
+                if 0 < self.blocks.blocks_needed(seq, ahead) <= self.blocks.num_free:  # once a block, on the hot path
                     self.blocks.grow(seq, ahead)
 
     def _postprocess(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
         outputs, row = [], 0
         for item in batch:
-            seq, drafts, seq.draft_ids = item.seq, item.seq.draft_ids, []
+            seq = item.seq
+            drafts = seq.draft_ids
+            if drafts:
+                seq.draft_ids = []
             # Draft KV is kept only for accepted drafts, counted below: rejected tokens are never committed.
             seq.num_computed += item.num_tokens - len(drafts)
             new: list[int] = []
@@ -177,8 +180,9 @@ class LLMEngine:
         if seq.params.stops_at(seq.token_ids[-1], self.eos_ids):
             return "stop"
         # A sequence longer than the whole KV cache could never be scheduled again, even alone.
-        too_long = len(seq) >= self.max_model_len or len(seq) > self.blocks.num_blocks * self.blocks.block_size
-        if len(seq.output_ids) >= seq.params.max_tokens or too_long:
+        length = len(seq)
+        too_long = length >= self.max_model_len or length > self.blocks.num_blocks * self.blocks.block_size
+        if seq.tokens_left <= 0 or too_long:
             return "length"
         return None
 

@@ -77,6 +77,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest other sequences until `seq` fits; preempt `seq` itself if it is the newest."""
+        if not self.blocks.blocks_needed(seq, num_tokens):  # a decode step within its blocks: the common case
+            return True
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
