@@ -544,12 +544,13 @@ def test_skinny_config_steps_by_bytes_of_a_weight_row_past_32_rows():
 
 
 def test_vocabulary_projections_take_their_own_skinny_config():
-    """Past GEMV_MAX_N outputs: 64 weight rows a program, 256 bytes of a row a step, whatever the row count."""
+    """Past GEMV_MAX_N outputs: 64 weight rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128)."""
     from flashnext.plugins.cuda.kernels import skinny_config
 
-    assert skinny_config(151936, 1024, 64, 1) == skinny_config(151936, 1024, 8, 1) == (64, 256, 3, 1)
-    assert skinny_config(151936, 1024, 16, 2) == (64, 128, 3, 1)
-    assert skinny_config(49152, 576, 64, 1) == (64, 64, 3, 1)  # SmolLM2: halved until the step divides K
+    assert skinny_config(151936, 1024, 32, 1) == skinny_config(151936, 1024, 8, 1) == (64, 256, 3, 1)
+    assert skinny_config(151936, 1024, 64, 1) == (64, 128, 3, 1)
+    assert skinny_config(151936, 1024, 16, 2) == skinny_config(151936, 1024, 64, 2) == (64, 128, 3, 1)
+    assert skinny_config(49152, 576, 16, 1) == (64, 64, 3, 1)  # SmolLM2: halved until the step divides K
 
 
 def test_wide_outputs_fit_the_skinny_gemm_when_fp8_or_only_their_argmax_is_wanted():

@@ -1134,7 +1134,7 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     activations already fp8: qkv 3.78 -> 3.34, gate_up 4.61 -> 4.33, down 4.85 -> 4.72; bf16 gate_up 6.16 ->
     5.78)."""
     if n > GEMV_MAX_N:  # a vocabulary projection
-        return _vocab_config(k, elem_bytes)
+        return _vocab_config(k, rows, elem_bytes)
     if k >= 3072 and rows <= 16 and k % 1024 == 0:
         return 32, 256, 3, 4
     if rows > 32:
@@ -1148,12 +1148,13 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     return block_n, block_k, 4, 1
 
 
-def _vocab_config(k: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """Vocabulary projections: 64 rows a program, 256 bytes of a row a step, three stages. H200, Qwen3's head with
-    its norm: fp8 within 1% of the fastest of 18 configs at each of 8, 16, 32 and 64 rows (47.6, 48.2, 50.8, 54.9 us;
-    torch._scaled_mm 66.1, 66.0, 64.1, 60.2); bf16 keys (greedy_keys) the fastest of 9 at 8, 16 and 32 rows and
-    1.4% off it at 64."""
-    block_k = 256 // elem_bytes
+def _vocab_config(k: int, rows: int, elem_bytes: int) -> tuple[int, int, int, int]:
+    """Vocabulary projections: 64 rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128), three stages.
+    H200, Qwen3's head with its norm: fp8 writing logits within 1% of the fastest of 18 configs at each of 8, 16,
+    32 and 64 rows (47.6, 48.2, 50.8, 54.9 us; torch._scaled_mm 66.1, 66.0, 64.1, 60.2), and at 64 rows writing
+    greedy_keys' keys 62.9 -> 55.5 us for the shorter step (logits 54.6 -> 54.4; 8-16 rows 1-5 us slower with it);
+    bf16 keys the fastest of 9 configs at 8, 16 and 32 rows and 1.4% off it at 64."""
+    block_k = (128 if elem_bytes == 1 and rows > 32 else 256) // elem_bytes
     while k % block_k:
         block_k //= 2
     return 64, block_k, 3, 1
