@@ -359,9 +359,10 @@ def engine_benchmarks(loaded, quick: bool):
     unfused = {"variant": "no-fused-gemv", "configure": lambda llm: vars(llm.engine.model.kernels).update(
         register_gemv=False, skinny_dense=False)}
     fp8_kv = {"variant": "kv-fp8-e5m2", "kv_cache_dtype": "fp8-e5m2"}
+    fp8_head = {"variant": "kv-e5m2+fp8head", "kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True}
     configs = [("bf16", "full", [1, 8, 64], {}), ("bf16", "full", [1], unfused), ("bf16", "basic", [1, 64], {}),
-               ("fp8-e4m3", "full", [1, 64], {}), ("fp8-e4m3", "full", [64], fp8_kv), ("bf16", "full", [64], fp8_kv),
-               ("int4", "full", [1, 64], {})]
+               ("fp8-e4m3", "full", [1, 64], {}), ("fp8-e4m3", "full", [64], fp8_kv),
+               ("fp8-e4m3", "full", [64], fp8_head), ("bf16", "full", [64], fp8_kv), ("int4", "full", [1, 64], {})]
     if quick:
         configs = [c for c in configs if c[1] == "full"]
     for precision, profile, sizes, extra in configs:
@@ -455,6 +456,8 @@ def summary(res: dict) -> list[str]:
         "graph/eager decode b=64": get("bf16", "full", 64, decode) / get("bf16", "basic", 64, decode),
         "fp8/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode) / get("bf16", "full", 64, decode),
         "fp8+fp8kv/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-fp8-e5m2") / get("bf16", "full", 64, decode),
+        "fp8+fp8kv+fp8 head/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-e5m2+fp8head")
+        / get("bf16", "full", 64, decode),
         "int4/bf16 decode b=1": get("int4", "full", 1, decode) / get("bf16", "full", 1, decode),
     }
     if hf.get("throughput_tok_s"):

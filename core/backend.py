@@ -52,8 +52,8 @@ class Backend:
         return self.activation_dtype(precision)
 
     def quantized_head(self, precision: Precision) -> bool:
-        """Whether the LM head is stored in `precision` like the projections (a tied one then keeps a copy apart
-        from the embedding table) rather than dense in head_dtype."""
+        """Whether this backend can store the LM head in `precision` like the projections (a tied one then keeps
+        a copy apart from the embedding table), as the profile's quantize_lm_head asks."""
         return False
 
     def preferred_precision(self, weights: dict) -> str:

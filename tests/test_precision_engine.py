@@ -71,9 +71,11 @@ def test_fp8_kv_cache_runs_and_stays_close(loaded, reference):
     assert nmse(prompt_logits(engine, PROMPT), reference) < 5e-2
 
 
-def test_a_backend_may_store_its_lm_head_in_the_precision(loaded, reference):
-    """quantized_head: the head becomes the precision's weight (a tied embedding table stays dense for the lookup),
-    and the logits stay within fp8's bound of fp32 (the CUDA backend does this for fp8-e4m3)."""
+def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can(loaded, reference):
+    """profile.quantize_lm_head on a backend that can (Backend.quantized_head): the head becomes the precision's
+    weight (a tied embedding table stays dense for the lookup) and the logits stay within fp8's bound of fp32. Off
+    by default; a no-op for 16-bit weights; refused, naming the setting, where the backend cannot."""
+    from flashnext.core.errors import UserError
     from flashnext.core.precision import Fp8Weight, PRECISIONS
     from flashnext.plugins.cuda import CudaBackend
 
@@ -82,12 +84,16 @@ def test_a_backend_may_store_its_lm_head_in_the_precision(loaded, reference):
             return True
 
     backend = QuantizedHeadBackend()
-    engine = LLMEngine(backend, loaded, "fp8-e4m3", backend.profiles()["full"])
-    dense = LLMEngine(CpuBackend(), loaded, "fp8-e4m3", CpuBackend().profiles()["full"])
-    assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(engine.model.embed, torch.Tensor)
+    asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
+    engine = LLMEngine(backend, loaded, "fp8-e4m3", asked)
+    dense = LLMEngine(backend, loaded, "fp8-e4m3", backend.profiles()["full"])
+    assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(dense.model.lm_head, torch.Tensor)
     assert torch.equal(engine.model.embed, dense.model.embed)
     quantized, unquantized = prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT)
     assert 0 < nmse(quantized, unquantized) and nmse(quantized, reference) < 3e-2
+    assert LLMEngine(backend, loaded, "bf16", asked).model.lm_head.dtype == torch.bfloat16
+    with pytest.raises(UserError, match="quantize_lm_head"):
+        LLMEngine(CpuBackend(), loaded, "fp8-e4m3", asked)
     assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False, False]
 
 

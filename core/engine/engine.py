@@ -39,7 +39,7 @@ class LLMEngine:
             backend.device(),
             backend.activation_dtype(self.precision),
             backend.head_dtype(self.precision),
-            backend.quantized_head(self.precision),
+            self._quantized_head(backend, profile),
         )
         self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -65,6 +65,15 @@ class LLMEngine:
         if name.startswith("fp8") and not self.backend.features.get("fp8_kv_cache"):
             raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
         return PRECISIONS[name].storage_dtype
+
+    def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
+        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision)."""
+        if not profile.quantize_lm_head or self.precision.bits >= 16:
+            return False
+        if not backend.quantized_head(self.precision):
+            raise UserError(f"backend '{backend.name}' cannot keep the LM head in {self.precision.name}: unset "
+                            "quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
+        return True
 
     def _activation_peak(self) -> int:
         """Peak memory of a full-budget prefill, measured by a warm-up pass over a throwaway cache."""

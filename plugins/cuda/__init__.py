@@ -44,7 +44,7 @@ class CudaBackend(Backend):
         "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
         # fp8-e4m3 weights, per-channel scales: 16-bit activations in the small-batch GEMV, per-token fp8
         # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM and in
-        # torch._scaled_mm for prefill-sized batches. The LM head too (quantized_head).
+        # torch._scaled_mm for prefill-sized batches. The LM head too, if the profile asks (quantize_lm_head).
         "fp8_weights": True,
         "int4_weights": True,  # Triton GEMV up to 4 rows; a Triton dequant pass + the skinny GEMM / cuBLAS above
     }
