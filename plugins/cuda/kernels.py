@@ -1132,12 +1132,19 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     spans 256 bytes of a weight row where N >= 4,096 and 512 elsewhere, fp8 and bf16 alike, and the widest
     projection (gate/up, N >= 6,144) takes 64 rows a program (H200, Qwen3 at 64 rows, us a call, fp8 with its
     activations already fp8: qkv 3.78 -> 3.34, gate_up 4.61 -> 4.33, down 4.85 -> 4.72; bf16 gate_up 6.16 ->
-    5.78)."""
-    if n > GEMV_MAX_N:  # a vocabulary projection
-        return _vocab_config(k, rows, elem_bytes)
-    if k >= 3072 and rows <= 16 and k % 1024 == 0:
+    5.78).
+
+    Vocabulary projections (N > GEMV_MAX_N): 64 rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128),
+    three stages. H200, Qwen3's head with its norm: fp8 writing logits within 1% of the fastest of 18 configs at
+    each of 8, 16, 32 and 64 rows (47.6, 48.2, 50.8, 54.9 us; torch._scaled_mm 66.1, 66.0, 64.1, 60.2), and at 64
+    rows writing greedy_keys' keys 62.9 -> 55.5 us for the shorter step (logits 54.6 -> 54.4; 8-16 rows 1-5 us
+    slower with it); bf16 keys the fastest of 9 configs at 8, 16 and 32 rows and 1.4% off it at 64."""
+    stages = 4
+    if n > GEMV_MAX_N:
+        block_n, block_k, stages = 64, (128 if elem_bytes == 1 and rows > 32 else 256) // elem_bytes, 3
+    elif k >= 3072 and rows <= 16 and k % 1024 == 0:
         return 32, 256, 3, 4
-    if rows > 32:
+    elif rows > 32:
         block_k = (256 if n >= 4096 else 512) // elem_bytes
         block_n = 64 if n >= 6144 else 32 if n >= 4096 else 16
     else:
@@ -1145,19 +1152,7 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
         block_n = 32 if n >= 4096 else 16
     while k % block_k:
         block_k //= 2
-    return block_n, block_k, 4, 1
-
-
-def _vocab_config(k: int, rows: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """Vocabulary projections: 64 rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128), three stages.
-    H200, Qwen3's head with its norm: fp8 writing logits within 1% of the fastest of 18 configs at each of 8, 16,
-    32 and 64 rows (47.6, 48.2, 50.8, 54.9 us; torch._scaled_mm 66.1, 66.0, 64.1, 60.2), and at 64 rows writing
-    greedy_keys' keys 62.9 -> 55.5 us for the shorter step (logits 54.6 -> 54.4; 8-16 rows 1-5 us slower with it);
-    bf16 keys the fastest of 9 configs at 8, 16 and 32 rows and 1.4% off it at 64."""
-    block_k = (128 if elem_bytes == 1 and rows > 32 else 256) // elem_bytes
-    while k % block_k:
-        block_k //= 2
-    return 64, block_k, 3, 1
+    return block_n, block_k, stages, 1
 
 
 def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, int] | None:
