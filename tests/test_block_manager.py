@@ -188,3 +188,16 @@ def test_identical_blocks_computed_twice_share_one_cache_entry():
     blocks.free_sequence(a)
     blocks.free_sequence(b)
     assert blocks.num_free == 8
+
+
+def test_chain_hash_covers_the_parent_then_each_token_as_4_little_endian_bytes():
+    """The hashed bytes are fixed (parent as 8 bytes, each token as 4, little-endian), so a prefix hashes the same
+    on any host and token ids past 16 bits keep their high bytes."""
+    import xxhash
+
+    tokens = [0, 1, 70_000, 151_935, 2**31 + 5]
+    expected = xxhash.xxh64(b"".join(t.to_bytes(4, "little") for t in tokens)).intdigest()
+    assert chain_hash(None, tokens) == expected
+    parent = 2**63 + 11
+    assert chain_hash(parent, tokens) == xxhash.xxh64(
+        parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)).intdigest()
