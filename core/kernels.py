@@ -7,6 +7,7 @@ chunked prefill, decode, prefix-cache hits and speculative verification.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +38,7 @@ class AttentionMetadata:
             starts.append(starts[-1] + n)
         i32 = torch.int32
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=int64_tensor(slots, device),
             query_start=torch.tensor(starts, dtype=i32, device=device),
             context_lens=torch.tensor(context_lens, dtype=i32, device=device),
             block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in block_tables], dtype=i32, device=device),
@@ -46,6 +47,12 @@ class AttentionMetadata:
             query_lens_host=tuple(query_lens),
             context_lens_host=tuple(context_lens),
         )
+
+
+def int64_tensor(values: list[int], device) -> torch.Tensor:
+    """An int64 tensor of a long host list (a prefill's token ids, positions, slots): numpy converts a list 3.5x
+    faster than torch.tensor does (16,384 ints: 1.45 -> 0.41 ms on the VM)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 @dataclass
