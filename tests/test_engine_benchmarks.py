@@ -45,3 +45,30 @@ def test_bench_prefill_memory_shows_chunking_bounds_activations(tmp_path):
     assert whole["steps"] == 1 and chunked["steps"] == 24
     assert whole["activation_peak_bytes"] > 16 << 20
     assert r["ratio"] < 0.5
+
+
+def test_bench_cuda_reports_the_fp8_ratio_as_the_median_of_interleaved_rounds(monkeypatch):
+    """bench_cuda.py (importable without a GPU) runs the batch-64 rows behind the fp8 target round by round,
+    interleaved, and reports the median of the rounds' fp8 / bf16 ratios and their spread next to the single-run
+    ratios."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cuda", BENCH / "bench_cuda.py")
+    bench_cuda = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cuda)
+    rates = iter([100, 126, 140, 100, 131, 150, 110, 143, 160])  # bf16, fp8 + e5m2, + fp8 head; three rounds
+    calls = []
+
+    def fake_rows(loaded, backend, precision, profile, sizes, prompt, gen, **extra):
+        calls.append((precision, sizes, extra))
+        return [{"decode_tok_s": float(next(rates))}]
+    monkeypatch.setattr(bench_cuda, "bench_rows", fake_rows)
+    monkeypatch.setattr(bench_cuda, "release", lambda: None)
+    bench_cuda.fp8_ratio_rounds(None)
+    res = bench_cuda.results
+    assert [c[0] for c in calls] == ["bf16", "fp8-e4m3", "fp8-e4m3"] * 3 and all(c[1] == [64] for c in calls)
+    assert calls[2][2] == {"kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True}
+    res["engine_rows"] = []
+    lines = bench_cuda.summary(res)
+    assert abs(res["ratios"]["fp8+fp8kv/bf16 decode b=64, median of 3"] - 1.3) < 1e-9  # of 1.26, 1.31, 1.30
+    assert any("1.260 .. 1.310" in line for line in lines)
