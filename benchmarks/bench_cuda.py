@@ -493,7 +493,7 @@ def summary(res: dict) -> list[str]:
     lines += [f"{k:32s} {v:8.2f}x" for k, v in ratios.items()]
     for name, spread in res.get("fp8_ratio_rounds", {}).items():
         if name != "decode_tok_s":
-            lines.append(f"  {name}/bf16 over {RATIO_ROUNDS} rounds: {spread['min']:.3f} .. {spread['max']:.3f}")
+            lines.append(f"  {name} over {RATIO_ROUNDS} rounds: {spread['min']:.3f} .. {spread['max']:.3f}")
     return lines
 
 
