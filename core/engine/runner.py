@@ -103,8 +103,8 @@ class ModelRunner:
         )
 
     def _slots(self, seq: Sequence, start: int, n: int) -> list[int]:
-        """Cache slots of positions start .. start + n: a range a block rather than a lookup a token (a 64 x 256
-        prefill's prepare 9.3 -> 5.0 ms on the VM)."""
+        """Cache slots of positions start .. start + n: a range a block rather than a lookup a token (with
+        int64_tensor, a 64 x 256 prefill's prepare 7.0 -> 2.6 ms on the VM)."""
         if n == 1:  # decode's row
             return [seq.block_table[start // self.block_size] * self.block_size + start % self.block_size]
         slots, position, end = [], start, start + n
