@@ -441,6 +441,96 @@ def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_he
     assert nmse(fused, ref) < 1e-4
 
 
+def _grouped_fp8_product(rows, w8):
+    """rows @ w8.T with rows' scale per (token, group of columns): each group's fp8 product scaled by its own."""
+    x, w, g = rows.data.float(), w8.data.float(), rows.group
+    parts = [x[:, i:i + g] @ w[:, i:i + g].T * rows.scale[:, i // g:i // g + 1] for i in range(0, x.shape[1], g)]
+    return sum(parts) * w8.scale.reshape(1, -1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (9, 3, 64)])
+def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(heads, kv_heads, dim, monkeypatch):
+    """rope_attention told its output feeds the skinny fp8 GEMM writes it as fp8 with a scale per (token, head):
+    each head's amax of the 16-bit output over 448, and values within e4m3's rounding of it; the o projection of
+    those rows is each head's fp8 product scaled by its own scale, with no quantization pass between. Where the
+    register GEMV takes the rows (16-bit activations), or the step has HEAD_SCALES_ABOVE_ROWS rows or fewer, the
+    output stays 16-bit."""
+    contexts = [5, 130, 1, 0]
+    _, kc, vc, meta = _paged_setup([1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim,
+                                   kv_dtype=torch.float8_e5m2)
+    positions = torch.tensor([max(c - 1, 0) for c in contexts], device=DEV)
+    slots = _verify_slots(positions, meta.block_tables, 1, 4)
+    slots[3] = -1
+    rows_meta = dataclasses.replace(meta, slot_mapping=slots, context_lens=torch.tensor(
+        contexts, dtype=torch.int32, device=DEV))
+    qkv = rand(4, (heads + 2 * kv_heads) * dim)
+    cos_sin = _rope_table(dim, max(contexts))
+    o_weight = fp8_quantize(torch.randn(48, heads * dim)).to(DEV)
+    caches = [c.clone() for c in (kc, vc, kc, vc)]
+    args = (None, None, 1e-6, positions, cos_sin)
+    plain = CUDA.rope_attention(qkv, *args, caches[2], caches[3], rows_meta, 0.2, heads, kv_heads, dim)
+    gemm = CudaKernels(register_gemv=False)  # four rows would take the GEMV
+    caches_16 = [c.clone() for c in (kc, vc)]
+    small_step = gemm.rope_attention(qkv, *args, *caches_16, rows_meta, 0.2, heads, kv_heads, dim, feeds=o_weight)
+    assert torch.equal(small_step, plain.flatten(1))
+    monkeypatch.setattr(kernels_module, "HEAD_SCALES_ABOVE_ROWS", 3)
+    with _launches_of("_fp8_quant_rows_kernel") as quant_passes:
+        rows = gemm.rope_attention(qkv, *args, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim,
+                                   feeds=o_weight)
+        out = gemm.linear(rows, o_weight)
+    assert quant_passes == [] and isinstance(rows, kernels_module.Fp8Rows) and rows.group == dim
+    assert rows.data.shape == (4, heads * dim) and rows.scale.shape == (4, heads)
+    per_head = plain.float()
+    assert torch.equal(rows.scale, (per_head.abs().amax(-1) / 448).where(per_head.abs().amax(-1) > 0,
+                                                                         torch.ones(())))
+    dequantized = rows.data.float().view(4, heads, dim) * rows.scale[:, :, None]
+    assert nmse(dequantized, per_head) < 6e-3 and (dequantized[3] == 0).all()  # e4m3: 3 mantissa bits
+    if DEV == "cuda":  # the interpreter's fp8 casts truncate (see FP8_ON_GPU): bits on the GPU only
+        expected = (per_head / rows.scale[:, :, None]).to(torch.float8_e4m3fn).view(4, -1)
+        assert torch.equal(rows.data.view(torch.uint8), expected.view(torch.uint8))
+    assert nmse(out, _grouped_fp8_product(rows, o_weight)) < 5e-5  # the bf16 output's rounding (truncated here)
+    assert nmse(out, REF.linear(plain.flatten(1), o_weight)) < 1e-2
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    for kernels, weight in ((gemm, rand(48, heads * dim)), (CUDA, o_weight)):
+        caches = [c.clone() for c in (kc, vc)]
+        flat = kernels.rope_attention(qkv, *args, *caches, rows_meta, 0.2, heads, kv_heads, dim, feeds=weight)
+        assert torch.equal(flat, plain.flatten(1))
+
+
+def test_grouped_silu_and_mul_fp8_scales_each_program_s_columns():
+    """silu_and_mul_fp8(grouped): a scale per token and 1,024 columns (the last group partial), each its group's
+    amax over 448; the skinny fp8 GEMM after it (K steps narrower than a group) scales each group's product."""
+    x = rand(3, 2 * 1536)
+    rows = CUDA.silu_and_mul_fp8(x, grouped=True)
+    act = CUDA.silu_and_mul(x).float()  # the same 16-bit values (the interpreter rounds its own way)
+    assert rows.group == 1024 and rows.scale.shape == (3, 2)
+    amax = torch.stack([act[:, :1024].abs().amax(1), act[:, 1024:].abs().amax(1)], 1)
+    assert torch.equal(rows.scale, amax / 448)
+    per_column = rows.scale.repeat_interleave(1024, 1)[:, :1536]
+    assert nmse(rows.data.float() * per_column, act) < 6e-3  # e4m3: 3 mantissa bits (the interpreter truncates)
+    if DEV == "cuda":
+        assert torch.equal(rows.data.view(torch.uint8), (act / per_column).to(torch.float8_e4m3fn).view(torch.uint8))
+    w8 = fp8_quantize(torch.randn(40, 1536)).to(DEV)
+    out = CudaKernels(register_gemv=False).linear(rows, w8)
+    assert nmse(out, _grouped_fp8_product(rows, w8)) < 5e-5
+    assert nmse(out, REF.linear(REF.silu_and_mul(x), w8)) < 1e-2
+    assert CUDA.silu_and_mul_fp8(x).scale.shape == (3, 1)  # per token by default
+
+
+@pytest.mark.parametrize("group,config", [(32, (16, 64, 2, 1)), (64, (16, 32, 2, 1)), (32, (32, 128, 3, 2))])
+def test_skinny_gemm_applies_a_scale_per_group_of_columns(group, config):
+    """Fp8Rows with group > 0: each group's partial product takes its own scale, groups narrower or wider than
+    the config's K step, split K included."""
+    rows, k = 5, 256
+    x = rand(rows, k)
+    data, scale = CUDA.fp8_quantize_rows(x.view(rows * k // group, group))
+    grouped = kernels_module.Fp8Rows(data.view(rows, k), scale.view(rows, k // group), x.dtype, group)
+    w8 = fp8_quantize(torch.randn(40, k)).to(DEV)
+    out = CudaKernels().skinny_gemm(grouped, w8, config=config)
+    assert nmse(out, _grouped_fp8_product(grouped, w8)) < 5e-5  # the bf16 output's rounding
+    assert nmse(out, REF.linear(x, w8)) < 1e-2
+
+
 # Triton's interpreter converts to fp8 wrongly at binade edges (-31.97 -> -16), so fp8 writes are checked on GPU.
 FP8_ON_GPU = pytest.param(False, torch.float8_e5m2, marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU")])

@@ -31,8 +31,9 @@ def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
-                                      v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        out = kernels.linear(attn.flatten(1), layer.o, live=live)
+                                      v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                      feeds=layer.o)
+        out = kernels.linear(attn, layer.o, live=live)
         act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True,
                                             feeds=layer.down, live=live)
         hidden = kernels.linear(act, layer.down, live=live)

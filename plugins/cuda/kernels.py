@@ -41,6 +41,11 @@ SKINNY_MAX_ROWS = 64
 # dequantize in a pass first (H200, Qwen3 shape, captured int4 decode steps against the pass: 5 rows 17% shorter,
 # 8: 14%, 16: 16%, 32: 5%; at 64 rows the seven fused configurations tried were 4-15% longer).
 INT4_SKINNY_MAX_ROWS = 32
+# Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized per
+# (token, head) by the attention kernel, no pass between (H200, Qwen3 shape, captured fp8 + e5m2 steps: 64 rows
+# 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 -> 1,285.5, where the attention is one wave of programs
+# and the GEMM, started beside it by programmatic dependent launch, slows the pair by about 12 us a layer).
+HEAD_SCALES_ABOVE_ROWS = 32
 
 
 # Triton's CPU interpreter (the CI tests): it mis-multiplies bf16 dots (3.9), so dots run in fp32 under it, and it
@@ -337,9 +342,9 @@ def _e5m2_pairs_to_fp16(pairs):
 @triton.jit
 def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale,
                         max_blocks, rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
-                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        out_scale_ptr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                        PDL: tl.constexpr):
+                        FMAX: tl.constexpr, PDL: tl.constexpr):
     """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
     int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
     odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
@@ -348,7 +353,11 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
 
     ROPE (a table row a sequence): q_ptr is the merged qkv rows, and the kernel first does what
     _qkv_rope_store_kernel would (q/k norm, rotation, this kv head's new key and value into the cache: a launch
-    less a layer); the barrier after it makes those stores visible to the key loop."""
+    less a layer); the barrier after it makes those stores visible to the key loop.
+
+    FMAX > 0 (the o projection takes fp8 rows): each head's output, rounded to the activations' dtype, goes out as
+    fp8-e4m3 with its own dynamic scale (out_scale_ptr [rows, H]): the quantization pass before that projection
+    would need the whole token's row, which spans KVH programs."""
     seq, kvh = tl.program_id(0), tl.program_id(1)
     GROUP: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -398,8 +407,16 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
             m_i = m_new
         inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
         out_offs = q_first * (H * D) + head[:, None] * D + 2 * j[None, :]
-        tl.store(out_ptr + out_offs, (acc_even * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
-        tl.store(out_ptr + out_offs + 1, (acc_odd * inv[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        dtype = q_ptr.dtype.element_ty
+        out_even, out_odd = (acc_even * inv[:, None]).to(dtype), (acc_odd * inv[:, None]).to(dtype)
+        if FMAX > 0:
+            out_even, out_odd = out_even.to(tl.float32), out_odd.to(tl.float32)
+            o_scale = _fp8_scale(tl.maximum(_finite_amax(out_even, 1), _finite_amax(out_odd, 1)), FMAX)
+            out_even = _fp8_values(out_even, o_scale[:, None], FMAX)
+            out_odd = _fp8_values(out_odd, o_scale[:, None], FMAX)
+            tl.store(out_scale_ptr + q_first * H + head, o_scale, mask=ok)
+        tl.store(out_ptr + out_offs, out_even.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+        tl.store(out_ptr + out_offs + 1, out_odd.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -603,8 +620,8 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, scale_ptr=None,
                      FMAX: tl.constexpr = 0.0):
-    """silu(gate) * up; with FMAX (one program a row, BLOCK >= N) out takes the row as per-token fp8 and
-    scale_ptr its scale."""
+    """silu(gate) * up; with FMAX out takes each program's BLOCK columns as fp8 and scale_ptr their scale
+    ([rows, programs along the row]: one program a row, BLOCK >= N, makes it per token)."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -615,7 +632,8 @@ def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, 
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
     act = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     if FMAX > 0:
-        _quantize_row(act.to(tl.float32), out_ptr + row * N + cols, m, scale_ptr + row, FMAX)
+        _quantize_row(act.to(tl.float32), out_ptr + row * N + cols, m,
+                      scale_ptr + row * tl.num_programs(1) + tl.program_id(1), FMAX)
     else:
         tl.store(out_ptr + row * N + cols, act, mask=m)
 
@@ -634,15 +652,29 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
 def _quantize_row(x, q_ptrs, m, scale_ptr, FMAX: tl.constexpr):
     """Dynamic per-token activation scale: amax of the row's finite values (x, float32, 0 where not m) lands on
     the format maximum; stores the fp8 row at q_ptrs and its scale."""
-    finite = tl.abs(x) < float("inf")
-    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=0)
+    scale = _fp8_scale(_finite_amax(x, 0), FMAX)
+    tl.store(q_ptrs, _fp8_values(x, scale, FMAX).to(q_ptrs.dtype.element_ty), mask=m)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _finite_amax(x, axis: tl.constexpr):
+    return tl.max(tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0), axis=axis)
+
+
+@triton.jit
+def _fp8_scale(amax, FMAX: tl.constexpr):
+    """The scale that puts amax on the format maximum (1 for an all-zero group)."""
     # Floor at the smallest fp32 subnormal (bit pattern 1), written as bits: a literal that small becomes fp64.
     tiny = tl.full([], 1, tl.int32).to(tl.float32, bitcast=True)
-    scale = tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
+    return tl.where(amax > 0, tl.maximum(amax / FMAX, tiny), 1.0)
+
+
+@triton.jit
+def _fp8_values(x, scale, FMAX: tl.constexpr):
+    """x / scale clamped to the format's range, in float32 (the caller rounds it to fp8)."""
     q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
-    q = tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
-    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=m)
-    tl.store(scale_ptr, scale)
+    return tl.where(x == x, q, x)  # min/max drop NaN; a NaN activation must stay NaN through the product
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -832,11 +864,13 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
 def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, keys_ptr, part_ptr, count_ptr,
                         M, N, K, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr, X_GROUP: tl.constexpr = 0):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
-    they are; the epilogue applies x_scale ⊗ w_scale.
+    they are; the epilogue applies x_scale ⊗ w_scale. X_GROUP > 0: x has a scale per token and group of X_GROUP
+    columns (x_scale [M, ceil(K / X_GROUP)]; X_GROUP and BLOCK_K powers of two), applied to each group's partial
+    product.
     INT4 (WKIND 2): each W tile is widened to x's dtype in registers (_int4_tile, as the dequantization pass
     does), so the products are those of the dequantized weight.
     SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
@@ -859,13 +893,24 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
     _after_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(split * k_slice, (split + 1) * k_slice, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
-        if WKIND == 2:
-            w = _int4_tile(w_ptr, scales_ptr, offsets_ptr, rn, n_ok, K, k0, GROUP, BLOCK_N, BLOCK_K, True).to(x.dtype)
+        if X_GROUP > 0:
+            SUB: tl.constexpr = min(BLOCK_K, X_GROUP)
+            for g in tl.static_range(BLOCK_K // SUB):
+                rk = k0 + g * SUB + tl.arange(0, SUB)
+                x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
+                x_scale = tl.load(x_scale_ptr + rm * tl.cdiv(K, X_GROUP) + (k0 + g * SUB) // X_GROUP, mask=m_ok,
+                                  other=0.0)
+                acc += _dot(x, tl.trans(w)) * x_scale[:, None]
         else:
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
-        acc += _dot(x, tl.trans(w))
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
+            if WKIND == 2:
+                w = _int4_tile(w_ptr, scales_ptr, offsets_ptr, rn, n_ok, K, k0, GROUP, BLOCK_N, BLOCK_K,
+                               True).to(x.dtype)
+            else:
+                w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
+            acc += _dot(x, tl.trans(w))
     tile_offs = rm[:, None] * N + rn[None, :]
     last = True
     if SPLIT_K > 1:
@@ -880,7 +925,8 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
             tl.atomic_xchg(count_ptr + tile, 0)
     if last:
         if WKIND == 1:
-            acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
+            if X_GROUP == 0:
+                acc = acc * tl.load(x_scale_ptr + rm, mask=m_ok, other=0.0)[:, None]
             acc = acc * tl.load(scales_ptr + rn, mask=n_ok, other=0.0)[None, :]
         if KEY_CHUNKS > 0:
             value = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -1243,12 +1289,15 @@ def _key_chunks(sampled: torch.Tensor) -> int:
 
 @dataclass
 class Fp8Rows:
-    """Activations quantized per token to fp8-e4m3 by the kernel that produced them (an rmsnorm or SiLU-and-mul
-    ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale [rows, 1]."""
+    """Activations quantized to fp8-e4m3 by the kernel that produced them (an rmsnorm, SiLU-and-mul or decode
+    attention ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale
+    [rows, 1] per token, or with group > 0 (a power of two) [rows, ceil(K / group)], a scale per token and group
+    of columns."""
 
     data: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
+    group: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -1324,16 +1373,20 @@ class CudaKernels(ReferenceKernels):
                                      scale_ptr=out.scale, FMAX=FP8_MAX["fp8-e4m3"], **self._pdl)
         return out, res_out
 
-    def silu_and_mul_fp8(self, x) -> Fp8Rows:
-        """silu_and_mul as per-token fp8-e4m3 rows (one program a row). Rows of 4,096+ padded columns take 16
-        warps (H200, Qwen3's 3,072 at 64 rows: 1.92 -> 1.59 us a call, a captured fp8 + e5m2 step 1,267.0 ->
-        1,242.1 us; 8 warps 1.70)."""
+    def silu_and_mul_fp8(self, x, grouped: bool = False) -> Fp8Rows:
+        """silu_and_mul as fp8-e4m3 rows: per token (one program a row; rows of 4,096+ padded columns take 16
+        warps: H200, Qwen3's 3,072 at 64 rows 1.92 -> 1.59 us a call, 8 warps 1.70), or grouped, a scale per
+        token and 1,024 columns, the programs silu_and_mul runs."""
         rows, n = x.shape[0], x.shape[1] // 2
-        out = _empty_fp8_rows(rows, n, x)
+        block = min(1024, _pow2(n)) if grouped else _pow2(n)
+        groups = triton.cdiv(n, block)
+        out = Fp8Rows(torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device),
+                      torch.empty(rows, groups, dtype=torch.float32, device=x.device), x.dtype,
+                      block if grouped else 0)
         if rows:
-            block = _pow2(n)
-            _silu_mul_kernel[(rows, 1)](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
-                                        FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4, **self._pdl)
+            _silu_mul_kernel[(rows, groups)](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
+                                             FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4,
+                                             **self._pdl)
         return out
 
     # --- attention block pieces ----------------------------------------------------------------------------
@@ -1357,20 +1410,33 @@ class CudaKernels(ReferenceKernels):
         return q
 
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-                       scale, num_heads, num_kv_heads, head_dim) -> torch.Tensor:
-        """qkv_rope_store then attention: [T, H, D]. Split decode steps, and decode steps over an fp8-e5m2 cache
-        whose rows each have a table row, do both in the attention kernel."""
+                       scale, num_heads, num_kv_heads, head_dim, feeds: Weight | None = None):
+        """qkv_rope_store then attention: [T, H, D], or with feeds (the o projection's weight) [T, H * D] as that
+        projection takes it: Fp8Rows with a scale per (token, head) where the skinny fp8 GEMM follows a decode step
+        of more than HEAD_SCALES_ABOVE_ROWS rows over an fp8-e5m2 cache. Split decode steps, and decode steps over
+        an fp8-e5m2 cache whose rows each have a table row, do both in the attention kernel."""
         split = self._split_kv(meta)
         own_tables = meta.block_tables.shape[0] == qkv.shape[0]
-        if split or own_tables and self._reads_e5m2_pairs(qkv, k_cache, meta, head_dim):
-            out = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-            if qkv.shape[0]:
-                decode = self._split_decode if split else self._decode_e5m2
-                decode(qkv, k_cache, v_cache, meta, scale, out, rope=(q_norm, k_norm, cos_sin, positions, eps))
+        e5m2 = not split and own_tables and self._reads_e5m2_pairs(qkv, k_cache, meta, head_dim)
+        rope = (q_norm, k_norm, cos_sin, positions, eps)
+        rows = qkv.shape[0]
+        heads_fp8 = e5m2 and feeds is not None and rows > HEAD_SCALES_ABOVE_ROWS
+        if heads_fp8 and self._takes_grouped_fp8_rows(qkv[:, : num_heads * head_dim], feeds):
+            out = Fp8Rows(torch.empty(rows, num_heads * head_dim, dtype=torch.float8_e4m3fn, device=qkv.device),
+                          torch.empty(rows, num_heads, dtype=torch.float32, device=qkv.device), qkv.dtype, head_dim)
+            if rows:
+                self._decode_e5m2(qkv, k_cache, v_cache, meta, scale, out.data.view(rows, num_heads, head_dim),
+                                  rope=rope, out_scale=out.scale)
             return out
-        q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                num_heads, num_kv_heads, head_dim)
-        return self.attention(q, k_cache, v_cache, meta, scale)
+        if split or e5m2:
+            out = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+            if rows:
+                (self._split_decode if split else self._decode_e5m2)(qkv, k_cache, v_cache, meta, scale, out, rope=rope)
+        else:
+            q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
+                                    meta.slot_mapping, num_heads, num_kv_heads, head_dim)
+            out = self.attention(q, k_cache, v_cache, meta, scale)
+        return out if feeds is None else out.flatten(1)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         """Paged attention; context_lens may list k times as many sequences as block_tables has rows, each k
@@ -1405,8 +1471,9 @@ class CudaKernels(ReferenceKernels):
         return (meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
                 and q.dtype in (torch.bfloat16, torch.float16))
 
-    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None):
-        """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows."""
+    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None, out_scale=None):
+        """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows.
+        out_scale [rows, H]: out is fp8-e4m3, a scale per (row, head)."""
         n_seqs, heads, dim = out.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         block_n, warps, stages = e5m2_decode_config(dim)
@@ -1415,9 +1482,11 @@ class CudaKernels(ReferenceKernels):
             q, k_cache, v_cache, k_cache.view(torch.int16), v_cache.view(torch.int16), out, meta.block_tables,
             meta.query_start, meta.context_lens, scale, meta.block_tables.shape[1],
             n_seqs // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if q_norm is not None else q,
-            k_norm if k_norm is not None else q, cos_sin, positions, meta.slot_mapping, eps, H=heads, KVH=kv_heads,
-            D=dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n,
-            ROPE=rope is not None, HAS_NORM=q_norm is not None, num_warps=warps, num_stages=stages, **self._pdl)
+            k_norm if k_norm is not None else q, cos_sin, positions, meta.slot_mapping, eps,
+            out_scale if out_scale is not None else out, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n, ROPE=rope is not None,
+            HAS_NORM=q_norm is not None, FMAX=0.0 if out_scale is None else FP8_MAX["fp8-e4m3"], num_warps=warps,
+            num_stages=stages, **self._pdl)
         return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
@@ -1510,6 +1579,7 @@ class CudaKernels(ReferenceKernels):
         out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
         kind, data, scales, offsets, group = self._weight_kind(w)
         x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
+        x_group = x.group if isinstance(x, Fp8Rows) else 0  # a power of two, as block_k
         # Row-invariant graphs: one tile shape (16 rows, the mma's) and configuration whatever the row count, so
         # each row's products are summed in a one-row call's order.
         tile_rows = 16 if self.row_invariant else rows
@@ -1527,7 +1597,8 @@ class CudaKernels(ReferenceKernels):
             x_in, x_scale, data, scales, offsets, out, out if keys is None else keys, parts, counts, rows, n, k,
             WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
             num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
-            LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], **self._pdl)
+            LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], X_GROUP=x_group,
+            **self._pdl)
         return out if keys is None else keys
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
@@ -1575,6 +1646,11 @@ class CudaKernels(ReferenceKernels):
             return False
         return self._skinny_fits(x, w) or self._scaled_mm_fits(w)
 
+    def _takes_grouped_fp8_rows(self, x, w) -> bool:
+        """Whether linear(x, w) can take x as Fp8Rows with a scale per token and group of columns: the skinny
+        fp8 GEMM only (torch._scaled_mm scales whole rows)."""
+        return self._takes_fp8_rows(x, w) and self._skinny_fits(x, w)
+
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
         """torch._scaled_mm's tile constraint."""
@@ -1610,8 +1686,10 @@ class CudaKernels(ReferenceKernels):
         out = self.linear(normed, w)
         if silu:
             act = out[:, : out.shape[1] // 2]  # the shape and dtype silu_and_mul's output will have
-            fp8 = feeds is not None and self._takes_fp8_rows(act, feeds)
-            out = self.silu_and_mul_fp8(out) if fp8 else self.silu_and_mul(out)
+            if feeds is not None and self._takes_fp8_rows(act, feeds):
+                out = self.silu_and_mul_fp8(out, grouped=self._takes_grouped_fp8_rows(act, feeds))
+            else:
+                out = self.silu_and_mul(out)
         return out, residual
 
     def _norm_for(self, x, residual, norm_w, eps, w: Weight) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
