@@ -450,9 +450,10 @@ def _grouped_fp8_product(rows, w8):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (9, 3, 64)])
 def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(heads, kv_heads, dim, monkeypatch):
-    """rope_attention told its output feeds the skinny fp8 GEMM writes it as fp8 with a scale per (token, head):
-    each head's amax of the 16-bit output over 448, and values within e4m3's rounding of it; the o projection of
-    those rows is each head's fp8 product scaled by its own scale, with no quantization pass between. Where the
+    """rope_attention told its output feeds the skinny fp8 GEMM writes it as fp8 with a scale per token and kv
+    group (a power of two of heads) or head: the group's amax of the 16-bit output over 448, values within e4m3's
+    rounding of it; the o projection of those rows is each group's fp8 product scaled by its own scale, with no
+    quantization pass between. Where the
     register GEMV takes the rows (16-bit activations), or the step has HEAD_SCALES_ABOVE_ROWS rows or fewer, the
     output stays 16-bit."""
     contexts = [5, 130, 1, 0]
@@ -478,15 +479,16 @@ def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(h
         rows = gemm.rope_attention(qkv, *args, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim,
                                    feeds=o_weight)
         out = gemm.linear(rows, o_weight)
-    assert quant_passes == [] and isinstance(rows, kernels_module.Fp8Rows) and rows.group == dim
-    assert rows.data.shape == (4, heads * dim) and rows.scale.shape == (4, heads)
-    per_head = plain.float()
-    assert torch.equal(rows.scale, (per_head.abs().amax(-1) / 448).where(per_head.abs().amax(-1) > 0,
-                                                                         torch.ones(())))
-    dequantized = rows.data.float().view(4, heads, dim) * rows.scale[:, :, None]
-    assert nmse(dequantized, per_head) < 6e-3 and (dequantized[3] == 0).all()  # e4m3: 3 mantissa bits
+    group_heads = 2 if kv_heads * 2 == heads else 1  # a power-of-two kv group shares one scale
+    assert quant_passes == [] and isinstance(rows, kernels_module.Fp8Rows) and rows.group == group_heads * dim
+    assert rows.data.shape == (4, heads * dim) and rows.scale.shape == (4, heads // group_heads)
+    per_group = plain.float().view(4, heads // group_heads, group_heads * dim)
+    amax = per_group.abs().amax(-1)
+    assert torch.equal(rows.scale, (amax / 448).where(amax > 0, torch.ones(())))
+    dequantized = rows.data.float().view(per_group.shape) * rows.scale[:, :, None]
+    assert nmse(dequantized, per_group) < 6e-3 and (dequantized[3] == 0).all()  # e4m3: 3 mantissa bits
     if DEV == "cuda":  # the interpreter's fp8 casts truncate (see FP8_ON_GPU): bits on the GPU only
-        expected = (per_head / rows.scale[:, :, None]).to(torch.float8_e4m3fn).view(4, -1)
+        expected = (per_group / rows.scale[:, :, None]).to(torch.float8_e4m3fn).view(4, -1)
         assert torch.equal(rows.data.view(torch.uint8), expected.view(torch.uint8))
     assert nmse(out, _grouped_fp8_product(rows, o_weight)) < 5e-5  # the bf16 output's rounding (truncated here)
     assert nmse(out, REF.linear(plain.flatten(1), o_weight)) < 1e-2

@@ -42,7 +42,7 @@ SKINNY_MAX_ROWS = 64
 # 8: 14%, 16: 16%, 32: 5%; at 64 rows the seven fused configurations tried were 4-15% longer).
 INT4_SKINNY_MAX_ROWS = 32
 # Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized per
-# (token, head) by the attention kernel, no pass between (H200, Qwen3 shape, captured fp8 + e5m2 steps: 64 rows
+# token and head by the attention kernel, no pass between (H200, Qwen3 shape, captured fp8 + e5m2 steps: 64 rows
 # 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 -> 1,285.5, where the attention is one wave of programs
 # and the GEMM, started beside it by programmatic dependent launch, slows the pair by about 12 us a layer).
 HEAD_SCALES_ABOVE_ROWS = 32
@@ -344,7 +344,7 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
                         max_blocks, rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
                         out_scale_ptr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                        FMAX: tl.constexpr, PDL: tl.constexpr):
+                        FMAX: tl.constexpr, PDL: tl.constexpr, SCALE_HEADS: tl.constexpr = 1):
     """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
     int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
     odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
@@ -355,9 +355,10 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
     _qkv_rope_store_kernel would (q/k norm, rotation, this kv head's new key and value into the cache: a launch
     less a layer); the barrier after it makes those stores visible to the key loop.
 
-    FMAX > 0 (the o projection takes fp8 rows): each head's output, rounded to the activations' dtype, goes out as
-    fp8-e4m3 with its own dynamic scale (out_scale_ptr [rows, H]): the quantization pass before that projection
-    would need the whole token's row, which spans KVH programs."""
+    FMAX > 0 (the o projection takes fp8 rows): the output, rounded to the activations' dtype, goes out as
+    fp8-e4m3 with a dynamic scale for each head (out_scale_ptr [rows, H]), or with SCALE_HEADS = H / KVH one for
+    the program's heads ([rows, KVH]): the quantization pass before that projection would need the whole token's
+    row, which spans KVH programs."""
     seq, kvh = tl.program_id(0), tl.program_id(1)
     GROUP: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -411,10 +412,16 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
         out_even, out_odd = (acc_even * inv[:, None]).to(dtype), (acc_odd * inv[:, None]).to(dtype)
         if FMAX > 0:
             out_even, out_odd = out_even.to(tl.float32), out_odd.to(tl.float32)
-            o_scale = _fp8_scale(tl.maximum(_finite_amax(out_even, 1), _finite_amax(out_odd, 1)), FMAX)
-            out_even = _fp8_values(out_even, o_scale[:, None], FMAX)
-            out_odd = _fp8_values(out_odd, o_scale[:, None], FMAX)
-            tl.store(out_scale_ptr + q_first * H + head, o_scale, mask=ok)
+            amax = tl.maximum(_finite_amax(out_even, 1), _finite_amax(out_odd, 1))
+            if SCALE_HEADS > 1:  # the program's heads share one scale
+                o_scale = _fp8_scale(tl.max(tl.where(ok, amax, 0.0), axis=0), FMAX)
+                out_even, out_odd = _fp8_values(out_even, o_scale, FMAX), _fp8_values(out_odd, o_scale, FMAX)
+                tl.store(out_scale_ptr + q_first * KVH + kvh, o_scale)
+            else:
+                o_scale = _fp8_scale(amax, FMAX)
+                out_even = _fp8_values(out_even, o_scale[:, None], FMAX)
+                out_odd = _fp8_values(out_odd, o_scale[:, None], FMAX)
+                tl.store(out_scale_ptr + q_first * H + head, o_scale, mask=ok)
         tl.store(out_ptr + out_offs, out_even.to(out_ptr.dtype.element_ty), mask=ok[:, None])
         tl.store(out_ptr + out_offs + 1, out_odd.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -1228,6 +1235,14 @@ def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
     return (64 if dim <= 128 else 32), 4, 3
 
 
+def heads_per_scale(group: int) -> int:
+    """Heads of a kv group that share one fp8 scale in the o projection's input: the whole group where it is a
+    power of two (the skinny GEMM's groups are), else one. Fewer, wider groups are fewer partial products to scale
+    (H200, Qwen3's pairs of heads against a scale a head, captured fp8 + e5m2 steps: 64 rows 1,252.3 -> 1,241.4 us,
+    48 rows 1,200.0 -> 1,191.4)."""
+    return group if _pow2(group) == group else 1
+
+
 def e5m2_decode_config(dim: int) -> tuple[int, int, int]:
     """(keys a tile, warps, pipeline stages) of _decode_e5m2_kernel: 128 keys, four warps, two stages up to
     head_dim 128 (the fastest of 24 configs on an H200 at batch 64, contexts 256-382: Qwen3 16.0 us a layer, 64
@@ -1412,9 +1427,10 @@ class CudaKernels(ReferenceKernels):
     def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
                        scale, num_heads, num_kv_heads, head_dim, feeds: Weight | None = None):
         """qkv_rope_store then attention: [T, H, D], or with feeds (the o projection's weight) [T, H * D] as that
-        projection takes it: Fp8Rows with a scale per (token, head) where the skinny fp8 GEMM follows a decode step
-        of more than HEAD_SCALES_ABOVE_ROWS rows over an fp8-e5m2 cache. Split decode steps, and decode steps over
-        an fp8-e5m2 cache whose rows each have a table row, do both in the attention kernel."""
+        projection takes it: Fp8Rows with a scale per token and kv group or head (heads_per_scale) where the skinny
+        fp8 GEMM follows a decode step of more than HEAD_SCALES_ABOVE_ROWS rows over an fp8-e5m2 cache. Split
+        decode steps, and decode steps over an fp8-e5m2 cache whose rows each have a table row, do both in the
+        attention kernel."""
         split = self._split_kv(meta)
         own_tables = meta.block_tables.shape[0] == qkv.shape[0]
         e5m2 = not split and own_tables and self._reads_e5m2_pairs(qkv, k_cache, meta, head_dim)
@@ -1422,11 +1438,13 @@ class CudaKernels(ReferenceKernels):
         rows = qkv.shape[0]
         heads_fp8 = e5m2 and feeds is not None and rows > HEAD_SCALES_ABOVE_ROWS
         if heads_fp8 and self._takes_grouped_fp8_rows(qkv[:, : num_heads * head_dim], feeds):
+            heads_a_scale = heads_per_scale(num_heads // num_kv_heads)
             out = Fp8Rows(torch.empty(rows, num_heads * head_dim, dtype=torch.float8_e4m3fn, device=qkv.device),
-                          torch.empty(rows, num_heads, dtype=torch.float32, device=qkv.device), qkv.dtype, head_dim)
+                          torch.empty(rows, num_heads // heads_a_scale, dtype=torch.float32, device=qkv.device),
+                          qkv.dtype, heads_a_scale * head_dim)
             if rows:
                 self._decode_e5m2(qkv, k_cache, v_cache, meta, scale, out.data.view(rows, num_heads, head_dim),
-                                  rope=rope, out_scale=out.scale)
+                                  rope=rope, out_scale=out.scale, scale_heads=heads_a_scale)
             return out
         if split or e5m2:
             out = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -1471,9 +1489,10 @@ class CudaKernels(ReferenceKernels):
         return (meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
                 and q.dtype in (torch.bfloat16, torch.float16))
 
-    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None, out_scale=None):
+    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None, out_scale=None,
+                     scale_heads=1):
         """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows.
-        out_scale [rows, H]: out is fp8-e4m3, a scale per (row, head)."""
+        out_scale [rows, H / scale_heads]: out is fp8-e4m3, a scale per row and scale_heads heads (1 or H / KVH)."""
         n_seqs, heads, dim = out.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         block_n, warps, stages = e5m2_decode_config(dim)
@@ -1486,7 +1505,7 @@ class CudaKernels(ReferenceKernels):
             out_scale if out_scale is not None else out, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=block_size,
             BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n, ROPE=rope is not None,
             HAS_NORM=q_norm is not None, FMAX=0.0 if out_scale is None else FP8_MAX["fp8-e4m3"], num_warps=warps,
-            num_stages=stages, **self._pdl)
+            num_stages=stages, SCALE_HEADS=scale_heads, **self._pdl)
         return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
