@@ -1,9 +1,13 @@
 """The engine benchmarks run end to end on a tiny model and report what they claim."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import torch
 
 from fixtures import write_tiny_hf_model
 
@@ -51,8 +55,6 @@ def test_bench_cuda_reports_the_fp8_ratio_as_the_median_of_interleaved_rounds(mo
     """bench_cuda.py (importable without a GPU) runs the batch-64 rows behind the fp8 target round by round,
     interleaved, and reports the median of the rounds' fp8 / bf16 ratios and their spread next to the single-run
     ratios."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("bench_cuda", BENCH / "bench_cuda.py")
     bench_cuda = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_cuda)
@@ -72,3 +74,24 @@ def test_bench_cuda_reports_the_fp8_ratio_as_the_median_of_interleaved_rounds(mo
     lines = bench_cuda.summary(res)
     assert abs(res["ratios"]["fp8+fp8kv/bf16 decode b=64, median of 3"] - 1.3) < 1e-9  # of 1.26, 1.31, 1.30
     assert any("1.260 .. 1.310" in line for line in lines)
+
+
+def test_bench_fp8_activation_scales_groups_as_the_cuda_decode_path():
+    """The quality benchmark's round trip scales each group of columns on its own (a partial last group too),
+    and its CUDA grouping is the kernels': the o input per power-of-two kv group else per head, the down input
+    per SiLU program."""
+    spec = importlib.util.spec_from_file_location("bench_fp8_scales", BENCH / "bench_fp8_activation_scales.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = torch.tensor([[1000.0, 1.0, 0.001, 0.002, 3.0]])
+    per_token, grouped = bench.fp8_round_trip(x, 5), bench.fp8_round_trip(x, 2)
+    assert per_token[0, 2] == 0  # 0.001 underflows next to 1,000 in one scale...
+    assert torch.allclose(grouped, x, rtol=0.07)  # ...not in its own group; 3.0 alone in a partial group
+    layers = [types.SimpleNamespace(o=object(), down=torch.empty(576, 1536)) for _ in range(2)]
+
+    def model(heads, kv_heads, dim):
+        cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+        return types.SimpleNamespace(config=cfg, layers=layers)
+    smollm2, qwen3 = bench.cuda_groups(model(9, 3, 64)), bench.cuda_groups(model(16, 8, 128))
+    assert smollm2[id(layers[0].o)] == 64 and qwen3[id(layers[1].o)] == 256
+    assert smollm2[id(layers[0].down)] == 1024

@@ -1235,6 +1235,11 @@ def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
     return (64 if dim <= 128 else 32), 4, 3
 
 
+def silu_fp8_group(n: int) -> int:
+    """Columns a scale covers in silu_and_mul_fp8's grouped rows of n columns: one program's block."""
+    return min(1024, _pow2(n))
+
+
 def heads_per_scale(group: int) -> int:
     """Heads of a kv group that share one fp8 scale in the o projection's input: the whole group where it is a
     power of two (the skinny GEMM's groups are), else one. Fewer, wider groups are fewer partial products to scale
@@ -1393,7 +1398,7 @@ class CudaKernels(ReferenceKernels):
         warps: H200, Qwen3's 3,072 at 64 rows 1.92 -> 1.59 us a call, 8 warps 1.70), or grouped, a scale per
         token and 1,024 columns, the programs silu_and_mul runs."""
         rows, n = x.shape[0], x.shape[1] // 2
-        block = min(1024, _pow2(n)) if grouped else _pow2(n)
+        block = silu_fp8_group(n) if grouped else _pow2(n)
         groups = triton.cdiv(n, block)
         out = Fp8Rows(torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device),
                       torch.empty(rows, groups, dtype=torch.float32, device=x.device), x.dtype,

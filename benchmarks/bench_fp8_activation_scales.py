@@ -1,0 +1,103 @@
+"""What the fp8 activation scales cost in text quality on the embedded SmolLM2: per token, or grouped as the CUDA
+backend's decode steps group them (the o projection's input per kv group or head, the down projection's per
+1,024 columns; the norms' outputs per token).
+
+Perplexity over 1,024 tokens of Hamlet (teacher-forced) and greedy answers to a few chat prompts, with fp8-e4m3
+weights and: 16-bit activations (what the CPU backend computes), activations quantized per token, and activations
+quantized as CUDA groups them. The CPU backend's linear is wrapped so that each fp8 projection first rounds its
+input through fp8 with those scales and then multiplies in fp32, the products the fp8 tensor cores sum.
+
+    python benchmarks/bench_fp8_activation_scales.py --json fp8_activation_scales.json
+"""
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fixtures import shakespeare_text  # noqa: E402
+from numerics import engine_logits, perplexity  # noqa: E402
+
+from flashnext.core.cli_bench import machine_name  # noqa: E402
+from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
+from flashnext.core.llm import LLM  # noqa: E402
+from flashnext.core.loader import load_model  # noqa: E402
+from flashnext.core.precision import Fp8Weight, fp8_quantize_per_token  # noqa: E402
+from flashnext.plugins.cpu.kernels import CpuKernels  # noqa: E402
+from flashnext.plugins.cuda.kernels import heads_per_scale, silu_fp8_group  # noqa: E402
+
+PASSAGE_TOKENS = 1024
+CHATS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+         "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
+         "Translate 'good morning' to French."]
+CASES = ["16-bit activations", "per token", "grouped as CUDA decode steps", "1 x 128 blocks everywhere"]
+
+
+def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x through fp8-e4m3 with a scale per row and group of columns (the last group may be partial), in fp32."""
+    pieces = []
+    for piece in x.float().split(group, dim=-1):
+        data, scale = fp8_quantize_per_token(piece)
+        pieces.append(data.float() * scale)
+    return torch.cat(pieces, dim=-1)
+
+
+def quantizing_linear(groups: dict[int, int], default: int | None = None):
+    """CpuKernels.linear with fp8 inputs: groups maps id(weight) to its group width; other weights take default
+    (None: per token)."""
+    def linear(self, x, w, bias=None):
+        if not isinstance(w, Fp8Weight):
+            return CpuKernels_linear(self, x, w, bias)
+        group = groups.get(id(w), default or x.shape[-1])
+        out = F.linear(fp8_round_trip(x, group), w.dequantize(torch.float32)).to(x.dtype)
+        return out if bias is None else out + bias.to(x.dtype)
+    return linear
+
+
+CpuKernels_linear = CpuKernels.linear
+
+
+def cuda_groups(model) -> dict[int, int]:
+    cfg = model.config
+    group = heads_per_scale(cfg.num_heads // cfg.num_kv_heads) * cfg.head_dim
+    out = {}
+    for layer in model.layers:
+        out[id(layer.o)] = group
+        out[id(layer.down)] = silu_fp8_group(layer.down.shape[1])
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", dest="json_path")
+    p.add_argument("--tokens", type=int, default=PASSAGE_TOKENS)
+    args = p.parse_args(argv)
+    loaded = load_model(None)
+    text = shakespeare_text("hamlet_gut.txt")
+    rows = []
+    for case in CASES:
+        llm = LLM(loaded, backend="cpu", precision="fp8-e4m3", max_num_seqs=4, max_model_len=args.tokens + 64)
+        model = llm.engine.model
+        if case != CASES[0]:
+            CpuKernels.linear = (quantizing_linear(cuda_groups(model)) if case == CASES[2] else
+                                 quantizing_linear({}, 128 if case == CASES[3] else None))
+        try:
+            ids = llm.tokenizer.encode(text[text.index("ACT I."):])[:args.tokens]
+            answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
+            ppl = perplexity(engine_logits(llm, ids), ids)
+        finally:
+            CpuKernels.linear = CpuKernels_linear
+        rows.append({"case": case, "perplexity": ppl, "answers": answers, "machine": machine_name(model.device),
+                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
+        print(f"{case:30s} perplexity {ppl:.3f}  {answers[0]!r}", flush=True)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
