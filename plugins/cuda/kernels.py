@@ -41,10 +41,11 @@ SKINNY_MAX_ROWS = 64
 # dequantize in a pass first (H200, Qwen3 shape, captured int4 decode steps against the pass: 5 rows 17% shorter,
 # 8: 14%, 16: 16%, 32: 5%; at 64 rows the seven fused configurations tried were 4-15% longer).
 INT4_SKINNY_MAX_ROWS = 32
-# Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized per
-# token and head by the attention kernel, no pass between (H200, Qwen3 shape, captured fp8 + e5m2 steps: 64 rows
-# 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 -> 1,285.5, where the attention is one wave of programs
-# and the GEMM, started beside it by programmatic dependent launch, slows the pair by about 12 us a layer).
+# Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized by the
+# attention kernel, a scale per token and kv group (heads_per_scale), no pass between (H200, Qwen3 shape, captured
+# fp8 + e5m2 steps with a scale a head: 64 rows 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 ->
+# 1,285.5, where the attention is one wave of programs and the GEMM, started beside it by programmatic dependent
+# launch, slows the pair by about 12 us a layer).
 HEAD_SCALES_ABOVE_ROWS = 32
 
 
