@@ -624,7 +624,7 @@ def test_int4_gemm_matches_dequantized_reference(group_size, rows, k):
     assert nmse(CUDA.linear(x, w), REF.linear(x, w)) < 1e-4
 
 
-def test_skinny_config_steps_by_bytes_of_a_weight_row_past_32_rows():
+def test_skinny_config_steps_by_bytes_of_a_weight_row_past_16_rows():
     from flashnext.plugins.cuda.kernels import skinny_config
 
     assert skinny_config(4096, 1024, 64, 1) == (32, 256, 4, 1)  # fp8 qkv: 256 bytes a step, as bf16's 128 columns
@@ -632,7 +632,10 @@ def test_skinny_config_steps_by_bytes_of_a_weight_row_past_32_rows():
     assert skinny_config(6144, 1024, 64, 1) == (64, 256, 4, 1)  # gate/up: 64 weight rows a program
     assert skinny_config(1024, 3072, 64, 1) == (16, 512, 4, 1)
     assert skinny_config(1152, 576, 64, 1) == (16, 64, 4, 1)  # SmolLM2: halved until the step divides K
-    assert skinny_config(6144, 1024, 8, 1) == skinny_config(6144, 1024, 8, 2) == (32, 128, 4, 1)  # <= 32 rows
+    assert skinny_config(6144, 1024, 8, 1) == skinny_config(6144, 1024, 8, 2) == (32, 128, 4, 1)  # <= 16 rows
+    assert skinny_config(4096, 1024, 24, 1) == skinny_config(4096, 1024, 64, 1)
+    assert [kernels_module.skinny_block_m(rows, kernels_module.FP8) for rows in (5, 16, 17, 40)] == [16, 16, 64, 64]
+    assert kernels_module.skinny_block_m(24, kernels_module.INT4) == 32  # int4 tiles keep the rows' power of two
 
 
 def test_vocabulary_projections_take_their_own_skinny_config():

@@ -1182,11 +1182,11 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
     """(BLOCK_N, BLOCK_K, pipeline stages, K slices) for weights of elem_bytes bytes an element: the fastest of
     sweeps on an H200 at 1, 8 and 64 rows (docs/benchmarks.md). Long rows at small batches (Qwen3's down
     projection, K = 3,072, up to 16 rows) stream in four K slices: 7.0 -> 5.8 us a call in bf16 at 8 rows, 5.8 ->
-    5.2 in fp8 (measured at 8 rows); elsewhere, 64 rows included, slices were no faster. Above 32 rows a K step
-    spans 256 bytes of a weight row where N >= 4,096 and 512 elsewhere, fp8 and bf16 alike, and the widest
-    projection (gate/up, N >= 6,144) takes 64 rows a program (H200, Qwen3 at 64 rows, us a call, fp8 with its
-    activations already fp8: qkv 3.78 -> 3.34, gate_up 4.61 -> 4.33, down 4.85 -> 4.72; bf16 gate_up 6.16 ->
-    5.78).
+    5.2 in fp8 (measured at 8 rows); elsewhere, 64 rows included, slices were no faster. Above 16 rows (programs
+    of 64 rows of x: skinny_block_m) a K step spans 256 bytes of a weight row where N >= 4,096 and 512 elsewhere,
+    fp8 and bf16 alike, and the widest projection (gate/up, N >= 6,144) takes 64 rows a program (H200, Qwen3 at 64
+    rows, us a call, fp8 with its activations already fp8: qkv 3.78 -> 3.34, gate_up 4.61 -> 4.33, down 4.85 ->
+    4.72; bf16 gate_up 6.16 -> 5.78).
 
     Vocabulary projections (N > GEMV_MAX_N): 64 rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128),
     three stages. H200, Qwen3's head with its norm: fp8 writing logits within 1% of the fastest of 18 configs at
@@ -1198,7 +1198,7 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
         block_n, block_k, stages = 64, (128 if elem_bytes == 1 and rows > 32 else 256) // elem_bytes, 3
     elif k >= 3072 and rows <= 16 and k % 1024 == 0:
         return 32, 256, 3, 4
-    elif rows > 32:
+    elif rows > 16:
         block_k = (256 if n >= 4096 else 512) // elem_bytes
         block_n = 64 if n >= 6144 else 32 if n >= 4096 else 16
     else:
@@ -1234,6 +1234,17 @@ def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
     if decode and dim <= 128:
         return 64, 2, 4 if e5m2 else 3
     return (64 if dim <= 128 else 32), 4, 3
+
+
+def skinny_block_m(rows: int, kind: int) -> int:
+    """Rows of x a skinny GEMM program takes: 64, the wgmma's tile, for 17-64 rows of 16-bit or fp8 weights (with
+    skinny_config's >16-row steps; H200, Qwen3 captured steps against tiles of 32 rows and the <=16-row steps:
+    bf16 batch 24 1,375.9 -> 1,305.1 us, 32 1,569.0 -> 1,449.3; fp8 + e5m2 24 1,316.7 -> 1,226.4, 32 1,219.7 ->
+    1,149.4); else the rows' next power of two, 16 at least (the mma's). Int4 tiles, widened in registers, keep
+    the latter (64 rows: batch 24 1,579.4 -> 1,826.9 us)."""
+    if 16 < rows <= 64 and kind != INT4:
+        return 64
+    return max(16, _pow2(rows))
 
 
 def silu_fp8_group(n: int) -> int:
@@ -1614,7 +1625,7 @@ class CudaKernels(ReferenceKernels):
         block_n, block_k, stages, split_k = config
         if k % (split_k * block_k):
             split_k = 1
-        block_m = max(16, _pow2(tile_rows))
+        block_m = skinny_block_m(tile_rows, kind)
         grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split_k)
         parts, counts = (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1],
                                                                               x.device)
