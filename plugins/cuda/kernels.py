@@ -1340,9 +1340,11 @@ class Fp8Rows:
         return self.data.device
 
 
-def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor) -> Fp8Rows:
+def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor, group: int = 0) -> Fp8Rows:
+    """Fp8Rows to be written: a scale per token, or with group > 0 per token and group of columns."""
+    scales = triton.cdiv(k, group) if group else 1
     return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
-                   torch.empty(rows, 1, dtype=torch.float32, device=like.device), like.dtype)
+                   torch.empty(rows, scales, dtype=torch.float32, device=like.device), like.dtype, group)
 
 
 class CudaKernels(ReferenceKernels):
@@ -1411,12 +1413,9 @@ class CudaKernels(ReferenceKernels):
         token and 1,024 columns, the programs silu_and_mul runs."""
         rows, n = x.shape[0], x.shape[1] // 2
         block = silu_fp8_group(n) if grouped else _pow2(n)
-        groups = triton.cdiv(n, block)
-        out = Fp8Rows(torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device),
-                      torch.empty(rows, groups, dtype=torch.float32, device=x.device), x.dtype,
-                      block if grouped else 0)
+        out = _empty_fp8_rows(rows, n, x, block if grouped else 0)
         if rows:
-            _silu_mul_kernel[(rows, groups)](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
+            _silu_mul_kernel[(rows, out.scale.shape[1])](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
                                              FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4,
                                              **self._pdl)
         return out
@@ -1456,9 +1455,7 @@ class CudaKernels(ReferenceKernels):
         heads_fp8 = e5m2 and feeds is not None and rows > HEAD_SCALES_ABOVE_ROWS
         if heads_fp8 and self._takes_grouped_fp8_rows(qkv[:, : num_heads * head_dim], feeds):
             heads_a_scale = heads_per_scale(num_heads // num_kv_heads)
-            out = Fp8Rows(torch.empty(rows, num_heads * head_dim, dtype=torch.float8_e4m3fn, device=qkv.device),
-                          torch.empty(rows, num_heads // heads_a_scale, dtype=torch.float32, device=qkv.device),
-                          qkv.dtype, heads_a_scale * head_dim)
+            out = _empty_fp8_rows(rows, num_heads * head_dim, qkv, heads_a_scale * head_dim)
             if rows:
                 self._decode_e5m2(qkv, k_cache, v_cache, meta, scale, out.data.view(rows, num_heads, head_dim),
                                   rope=rope, out_scale=out.scale, scale_heads=heads_a_scale)
