@@ -410,11 +410,9 @@ def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
     assert calls == []
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", [(4, 2, 32, True), (9, 3, 64, False)])
-def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_heads, dim, qk_norm):
-    """rope_attention of a decode step over an fp8-e5m2 cache (q/k norm, rope and the KV write inside
-    _decode_e5m2_kernel) gives the bits of qkv_rope_store followed by attention, cache included; a padded row
-    (slot -1, context 0) writes nothing and comes out zero."""
+def _e5m2_decode_step(heads, kv_heads, dim):
+    """Four decode rows over a shuffled fp8-e5m2 cache, contexts 5, 130, 1 and a padded row (slot -1, context 0):
+    (caches, metadata, positions, slots, qkv rows, rope table, contexts)."""
     contexts = [5, 130, 1, 0]
     _, kc, vc, meta = _paged_setup([1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim,
                                    kv_dtype=torch.float8_e5m2)
@@ -424,8 +422,16 @@ def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_he
     rows_meta = dataclasses.replace(meta, slot_mapping=slots, context_lens=torch.tensor(
         contexts, dtype=torch.int32, device=DEV))
     qkv = rand(4, (heads + 2 * kv_heads) * dim)
+    return kc, vc, rows_meta, positions, slots, qkv, _rope_table(dim, max(contexts)), contexts
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", [(4, 2, 32, True), (9, 3, 64, False)])
+def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_heads, dim, qk_norm):
+    """rope_attention of a decode step over an fp8-e5m2 cache (q/k norm, rope and the KV write inside
+    _decode_e5m2_kernel) gives the bits of qkv_rope_store followed by attention, cache included; a padded row
+    (slot -1, context 0) writes nothing and comes out zero."""
+    kc, vc, rows_meta, positions, slots, qkv, cos_sin, contexts = _e5m2_decode_step(heads, kv_heads, dim)
     q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
-    cos_sin = _rope_table(dim, max(contexts))
     caches = [c.clone() for c in (kc, vc, kc, vc)]
     fused = CUDA.rope_attention(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta, 0.2,
                                 heads, kv_heads, dim)
@@ -453,19 +459,9 @@ def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(h
     """rope_attention told its output feeds the skinny fp8 GEMM writes it as fp8 with a scale per token and kv
     group (a power of two of heads) or head: the group's amax of the 16-bit output over 448, values within e4m3's
     rounding of it; the o projection of those rows is each group's fp8 product scaled by its own scale, with no
-    quantization pass between. Where the
-    register GEMV takes the rows (16-bit activations), or the step has HEAD_SCALES_ABOVE_ROWS rows or fewer, the
-    output stays 16-bit."""
-    contexts = [5, 130, 1, 0]
-    _, kc, vc, meta = _paged_setup([1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim,
-                                   kv_dtype=torch.float8_e5m2)
-    positions = torch.tensor([max(c - 1, 0) for c in contexts], device=DEV)
-    slots = _verify_slots(positions, meta.block_tables, 1, 4)
-    slots[3] = -1
-    rows_meta = dataclasses.replace(meta, slot_mapping=slots, context_lens=torch.tensor(
-        contexts, dtype=torch.int32, device=DEV))
-    qkv = rand(4, (heads + 2 * kv_heads) * dim)
-    cos_sin = _rope_table(dim, max(contexts))
+    quantization pass between. Where the register GEMV takes the rows (16-bit activations), or the step has
+    HEAD_SCALES_ABOVE_ROWS rows or fewer, the output stays 16-bit."""
+    kc, vc, rows_meta, positions, _, qkv, cos_sin, _ = _e5m2_decode_step(heads, kv_heads, dim)
     o_weight = fp8_quantize(torch.randn(48, heads * dim)).to(DEV)
     caches = [c.clone() for c in (kc, vc, kc, vc)]
     args = (None, None, 1e-6, positions, cos_sin)
