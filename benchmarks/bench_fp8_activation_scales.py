@@ -4,8 +4,9 @@ backend's decode steps group them (the o projection's input per kv group or head
 
 Perplexity over passages of Hamlet (teacher-forced, each scored apart) and greedy answers to a few chat prompts,
 with fp8-e4m3 weights and: 16-bit activations (what the CPU backend computes), activations quantized per token,
-grouped as CUDA groups them (and each of its two groupings alone), and in 1 x 128 blocks everywhere. The CPU backend's linear is wrapped so that each fp8 projection first rounds its
-input through fp8 with those scales and then multiplies in fp32, the products the fp8 tensor cores sum.
+grouped as CUDA groups them (and each of its two groupings alone), and in 1 x 128 blocks everywhere. The CPU
+backend's linear is wrapped so that each fp8 projection first rounds its input through fp8 with those scales and
+then multiplies in fp32, the products the fp8 tensor cores sum.
 
     python benchmarks/bench_fp8_activation_scales.py --passages 3 --tokens 512 --json fp8_activation_scales.json
 """
@@ -77,11 +78,12 @@ def cuda_groups(model, o: bool = True, down: bool = True) -> dict[int, int]:
 
 def case_linear(case: str, model):
     """The wrapped linear of a case (None: the CPU backend's own, 16-bit activations)."""
-    return {"per token": lambda: quantizing_linear({}),
-            "o input grouped only": lambda: quantizing_linear(cuda_groups(model, down=False)),
-            "down input grouped only": lambda: quantizing_linear(cuda_groups(model, o=False)),
-            "grouped as CUDA decode steps": lambda: quantizing_linear(cuda_groups(model)),
-            "1 x 128 blocks everywhere": lambda: quantizing_linear({}, 128)}.get(case, lambda: None)()
+    if case == "16-bit activations":
+        return None
+    groups = {"o input grouped only": cuda_groups(model, down=False),
+              "down input grouped only": cuda_groups(model, o=False),
+              "grouped as CUDA decode steps": cuda_groups(model)}.get(case, {})
+    return quantizing_linear(groups, 128 if case == "1 x 128 blocks everywhere" else None)
 
 
 def main(argv=None):
