@@ -47,7 +47,11 @@ def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel
     """Weights of the given shape drawn on `device` (bf16; std 0.02, norms 1), named as HF checkpoints name them."""
     if shape not in SHAPES:
         raise UserError(f"unknown --shape '{shape}': choose one of {', '.join(SHAPES)}")
-    cfg = SHAPES[shape]
+    return random_model_of(SHAPES[shape], shape, device, seed)
+
+
+def random_model_of(cfg: ModelConfig, shape: str, device: torch.device, seed: int = 0) -> LoadedModel:
+    """random_model for any config (benchmarks of other sizes); an untied one gets its own lm_head."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def dense(*size):
@@ -69,6 +73,8 @@ def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel
         }
         if cfg.qk_norm:
             weights |= {p + "self_attn.q_norm.weight": ones(cfg.head_dim), p + "self_attn.k_norm.weight": ones(cfg.head_dim)}
+    if not cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = dense(cfg.vocab_size, h)
     return LoadedModel(cfg, weights, RandomVocabulary(), f"random:{shape}", shape)
 
 

@@ -812,6 +812,64 @@ def test_gemv_row_pieces_follow_the_weight():
     assert pieces(960, 576, 1) == (512, 64) and pieces(1152, 1536, 32) == (1024, 512)
     assert pieces(4096, 1024, 1) == (1024, 0) and pieces(1024, 3072, 1) == (4096, 0)  # Qwen3: 2^21 elements and up
     assert pieces(960, 576, 128) == (1024, 0) and pieces(64, 256, 1) == (256, 0)
+    # int4 rows past GEMV_MAX_K (the down projections of Qwen3-1.7B, 4B, 8B) take two pieces whatever their size
+    assert pieces(2048, 6144, 128) == (4096, 2048) and pieces(2560, 9728, 128) == (8192, 2048)
+    assert pieces(4096, 12288, 32) == (8192, 4096)
+
+
+@pytest.mark.parametrize("rows,large_gemv_rows", [(1, 1), (3, 1), (3, 3)])
+def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gemv_rows, monkeypatch):
+    """Int4 rows past GEMV_MAX_K (scaled down here to 256 columns) still take the register GEMV up to
+    LONG_GEMV_MAX_K columns and large_gemv_rows rows: in two pieces, a row a program, 16 rows x 4 warps; the int8
+    x blocks' products and each row a one-row call's bits. More rows, longer rows and 16-bit or fp8 weights of
+    that width go to the skinny GEMM."""
+    monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    gemv_rows = []
+    gemv = CudaKernels.gemv
+    monkeypatch.setattr(CudaKernels, "gemv", lambda self, x, w, **kw: gemv_rows.append(x.shape[0]) or gemv(self, x, w,
+                                                                                                            **kw))
+    w = int4_quantize(torch.randn(40, 384) * 0.1, group_size=128).to(DEV)
+    x = rand(rows, 384, dtype=torch.float32)
+    kernels = CudaKernels()
+    kernels.large_gemv_rows = large_gemv_rows
+    out = kernels.linear(x, w)
+    long_gemv = rows <= large_gemv_rows
+    assert gemv_rows == ([rows] if long_gemv else [])
+    assert kernels_module.gemv_row_block(rows, 40, 384) == 1 and kernels_module.gemv_config(40, 384, 2) == (16, 4)
+    assert kernels_module.gemv_k_pieces(40, 384, 128) == (256, 128)
+    assert all(torch.equal(kernels.linear(x[i : i + 1], w)[0], out[i]) for i in range(rows)) or not long_gemv
+    assert nmse(out, _int8_blocks_model(x, w)) < (1e-11 if long_gemv else 1e-4)
+    gemv_rows.clear()
+    kernels.linear(rand(1, 384), rand(40, 384))
+    kernels.linear(rand(1, 384), fp8_quantize(torch.randn(40, 384)).to(DEV))
+    monkeypatch.setattr(kernels_module, "LONG_GEMV_MAX_K", 256)
+    kernels.linear(x, w)
+    assert gemv_rows == []
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
+def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(kind, monkeypatch):
+    """Weights of LARGE_WEIGHT elements or more (scaled down here) run the GEMV a row a program (each row a
+    one-row call's bits); 16-bit and fp8 ones only for calls of up to large_gemv_rows rows (then the skinny GEMM),
+    int4 ones for any row count the GEMV takes."""
+    monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    gemv_rows = []
+    gemv = CudaKernels.gemv
+    monkeypatch.setattr(CudaKernels, "gemv", lambda self, x, w, **kw: gemv_rows.append(x.shape[0]) or gemv(self, x, w,
+                                                                                                            **kw))
+    w = torch.randn(48, 256) * 0.1
+    w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind].to(DEV)
+    x = rand(3, 256)
+    kernels = CudaKernels()
+    assert kernels_module.gemv_row_block(3, 48, 256) == 1 and kernels_module.gemv_row_block(3, 47, 256) > 1
+    kernels.linear(x[:1], w)
+    kernels.linear(x[:2], w)
+    assert gemv_rows == ([1, 2] if kind == "int4" else [1])
+    kernels.large_gemv_rows = 3  # a one-sequence row-invariant graph: its verify rows too
+    many = kernels.linear(x, w)
+    assert gemv_rows[-1] == 3 and all(torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i]) for i in range(3))
 
 
 SCALED_MM_ROWS = pytest.param(80, marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -22,7 +22,7 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.spec.ngram import lookup  # noqa: E402
-from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.kernels import LARGE_GEMV_MAX_ROWS, CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import (MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner,  # noqa: E402
                                            _Lookahead, copy_yield)
 
@@ -174,6 +174,20 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
     seq.spec_enabled = False  # a request that opted out: decode graphs only
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 2, True)
     assert captured[2:] == [(2, True, "decode")]
+
+
+def test_large_weights_keep_one_route_for_a_graphs_decode_and_verify_rows(tiny_random):
+    """Row-invariant graphs give large weights and long int4 rows one route for all their rows: the GEMV in a
+    one-sequence graph (decode and verify), the skinny GEMM in larger buckets; eager steps get one row back."""
+    runner = _tiny_runner(tiny_random)
+    kernels = runner.kernels
+    seen = {}
+    for bucket, query_rows in ((1, 1), (1, 5), (2, 1), (2, 5)):
+        with runner.graph_settings(bucket, query_rows):
+            assert kernels.row_invariant
+            seen[bucket, query_rows] = kernels.large_gemv_rows
+    assert seen == {(1, 1): 1, (1, 5): 5, (2, 1): 0, (2, 5): 0}
+    assert kernels.large_gemv_rows == LARGE_GEMV_MAX_ROWS and not kernels.row_invariant
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random):

@@ -97,3 +97,34 @@ def test_bench_fp8_activation_scales_groups_as_the_cuda_decode_path():
     assert smollm2[id(layers[0].down)] == 1024
     o_only = bench.cuda_groups(model(9, 3, 64), down=False)
     assert id(layers[0].down) not in o_only and o_only[id(layers[0].o)] == 64
+
+
+def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
+    out = tmp_path / "shapes.json"
+    done = run("bench_shapes.py", "--backend", "cpu", "--shapes", "smollm2-135m", "--precisions", "bf16,int4",
+               "--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "3", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert "decode, 8 in / 3 out" in done.stdout and r["bench"] == "decode_by_shape"
+    bf16_1, bf16_2, int4_1, int4_2 = r["rows"]
+    assert [(x["precision"], x["batch_size"]) for x in r["rows"]] == [("bf16", 1), ("bf16", 2), ("int4", 1), ("int4", 2)]
+    assert bf16_1["decode_over_bf16"] == bf16_2["decode_over_bf16"] == 1.0
+    assert int4_1["params"] == bf16_1["params"] > 1e8 and bf16_1["layers"] == 30
+    for int4, bf16 in ((int4_1, bf16_1), (int4_2, bf16_2)):
+        assert abs(int4["decode_over_bf16"] - int4["decode_tok_s"] / bf16["decode_tok_s"]) < 1e-3
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "qwen3-9b"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "'qwen3-9b': choose from" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_random_weights_of_an_untied_config_carry_their_own_head():
+    from flashnext.core.cli_bench import SHAPES, random_model_of
+    from flashnext.core.llm import LLM
+    from flashnext.core.engine.sequence import SamplingParams
+
+    cfg = SHAPES["smollm2-135m"].model_copy(update=dict(num_layers=2, vocab_size=512, tie_word_embeddings=False))
+    loaded = random_model_of(cfg, "untied", torch.device("cpu"))
+    head, table = loaded.weights["lm_head.weight"], loaded.weights["model.embed_tokens.weight"]
+    assert head.shape == table.shape == (512, 576) and not torch.equal(head, table)
+    llm = LLM(model=loaded, backend="cpu", max_model_len=64)
+    out = llm.engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].output_ids) == 4

@@ -25,8 +25,26 @@ except ImportError:  # pragma: no cover - older Triton: kernels launch plainly
 # batches. Beyond ~4 rows a tiled GEMM (the skinny GEMM below, or cuBLAS) is faster on a Qwen3-0.6B shape
 # (docs/benchmarks.md).
 GEMV_MAX_ROWS = 4
-# Input sizes whose whole row fits one program's registers (the GEMV keeps all of x and its W tile live).
+# Input sizes whose whole row fits one program's registers beside other rows of x (the GEMV keeps all of x and
+# its W tile live).
 GEMV_MAX_K = 4096
+# Longer int4 rows (the down projections of 1.7B-8B models) still take the GEMV, up to this long: in two pieces, a
+# row per program (gemv_config, gemv_k_pieces, gemv_row_block). H200, us a call against the skinny GEMM at 1 / 2 / 4
+# rows: Qwen3-8B's 4,096 x 12,288 13.5 / 23.8 / 44.1 vs 51.9 / 44.8 / 44.8; 4B's 2,560 x 9,728 6.6 / 12.5 / 19.9 vs
+# 27.5 / 35.7 / 35.8; 1.7B's 2,048 x 6,144 3.8 / 5.7 / 9.8 vs 13.8 / 14.7 / 14.7; Llama-3-8B's 4,096 x 14,336 18.5 /
+# 35.0 / 66.7 vs 59.3 / 51.3 / 51.3. 16-bit and fp8 rows that long gain less at one row (bf16 3-22%, fp8 37-62%) and
+# lose from two rows on, and a row-invariant graph keeps one route for its decode and verify rows, so they keep the
+# skinny GEMM.
+LONG_GEMV_MAX_K = 16384
+# Weights of at least this many elements (the layers of 1.7B and larger models; Qwen3-0.6B's are under 6.3M) run
+# the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows unless they are int4 of
+# at most GEMV_MAX_K columns (LARGE_GEMV_MAX_ROWS outside row-invariant graphs); others go to the skinny GEMM. Captured decode steps on an H200 at 1 / 2 / 4 rows,
+# rows sharing the GEMV's programs before: Qwen3-4B bf16 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one
+# row 3,734 / 3,086 / 3,149; fp8 2,504 / 4,410 / 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 ->
+# 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 / 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4 (whose skinny GEMM widens
+# its nibbles on the way) is faster in the GEMV a row a program: 4B 1,714 / 4,107 / 6,331 -> 1,718 / 3,460 / 4,946,
+# 8B 2,260 / 4,902 / 7,462 -> 2,271 / 4,354 / 6,199, 1.7B 851 / 1,696 / 2,207 -> 849 / 1,557 / 1,997.
+LARGE_WEIGHT, LARGE_GEMV_MAX_ROWS = 1 << 23, 1
 # Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
 # quantized ones only our kernels read.
 GEMV_MAX_N = 32768
@@ -1198,6 +1216,8 @@ def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, 
         block_n, block_k, stages = 64, (128 if elem_bytes == 1 and rows > 32 else 256) // elem_bytes, 3
     elif k >= 3072 and rows <= 16 and k % 1024 == 0:
         return 32, 256, 3, 4
+    elif k >= 3072 and rows <= 16 and k % 512 == 0 and elem_bytes == 2:
+        return 32, 128, 3, 4  # Qwen3-4B's down projection, K = 9,728: 20.3 vs 24.9 us at 8 rows, 20.9 vs 24.6 at 16
     elif rows > 16:
         block_k = (256 if n >= 4096 else 512) // elem_bytes
         block_n = 64 if n >= 6144 else 32 if n >= 4096 else 16
@@ -1277,8 +1297,8 @@ def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     602 for four rows and four warps; SmolLM2 decode 344 vs 365, verify 572 vs 614, four warps). A function of the
     weight alone, so that decode and verify rows of one layer round alike."""
     small = _small_weight(n_out, k)
-    if kind == INT4:
-        return (16, 4) if small else (16, 8)
+    if kind == INT4:  # rows past GEMV_MAX_K, 6,144 / 9,728 / 12,288 columns: 3.9 / 6.8 / 13.2 us vs 3.9 / 8.7 / 14.5
+        return (16, 4) if small or k > GEMV_MAX_K else (16, 8)  # in 16 x 8 (both in two pieces)
     return (8, 4) if small and kind != FP8 else (4, 4)
 
 
@@ -1286,10 +1306,12 @@ def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
     """(BLOCK_K, BLOCK_KB): a small weight's GEMV row as a power-of-two piece plus a second one for the rest, so
     that a 576-wide row takes 512 + 64 columns' registers rather than 1,024 (BLOCK_KB 0: one piece). SmolLM2 shape,
     H200, captured steps: bf16 decode 345 vs 357 us, int4 396 vs 420; Qwen3's larger layers (3,072 = 2,048 +
-    1,024) ran 1-2% slower in two, so they keep one. Int4 pieces hold whole groups."""
+    1,024) ran 1-2% slower in two, so they keep one. Int4 rows past GEMV_MAX_K take two too (H200, one row, 16
+    rows and four warps a program: 9,728 = 8,192 + 2,048 columns 6.8 vs 17.8 us in one piece of 16,384; 12,288
+    13.2 vs 25.6). Int4 pieces hold whole groups."""
     first = 1 << (k.bit_length() - 1)
     rest = _pow2(k - first) if first < k else 0
-    if not _small_weight(n_out, k) or rest == 0 or rest % group:
+    if (not _small_weight(n_out, k) and k <= GEMV_MAX_K) or rest == 0 or rest % group:
         return _pow2(k), 0
     return first, rest
 
@@ -1303,8 +1325,9 @@ def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     """Rows of x one GEMV program applies its W tile to, unrolled: more rows share a tile, fewer when the row is
     long (registers). A small weight gives each row programs of its own: L2 serves the re-reads and the rows run
     in parallel (a SmolLM2 K = 4 verify step: 726 vs 837 us; Qwen3's larger layers are faster shared: 1,693 vs
-    1,769)."""
-    if _small_weight(n_out, k):
+    1,769). Rows past GEMV_MAX_K fill the registers alone (H200, Qwen3-8B's int4 down projection: 4 rows sharing a
+    program 149.9 us, one row 13.2), and large weights run faster a row a program too (LARGE_WEIGHT)."""
+    if _small_weight(n_out, k) or k > GEMV_MAX_K or n_out * k >= LARGE_WEIGHT:
         return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
 
@@ -1364,6 +1387,8 @@ class CudaKernels(ReferenceKernels):
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
+        self.large_gemv_rows = LARGE_GEMV_MAX_ROWS  # see _gemv_fits; CudaGraphRunner.graph_settings sets it for
+        # row-invariant graphs
         # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
         # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
         # five rows vs 22 for one; see skinny_gemm).
@@ -1743,10 +1768,16 @@ class CudaKernels(ReferenceKernels):
         return DENSE, w, w, w, 1
 
     def _gemv_fits(self, x, w) -> bool:
-        if x.shape[0] > self.gemv_max_rows or x.shape[1] > GEMV_MAX_K:
+        """Few rows (gemv_max_rows), rows of at most GEMV_MAX_K columns (int4: LONG_GEMV_MAX_K, for at most
+        large_gemv_rows rows past GEMV_MAX_K), and for large 16-bit or fp8 weights at most large_gemv_rows rows."""
+        rows, k = x.shape
+        if rows > self.gemv_max_rows:
             return False
         if isinstance(w, Int4Weight):
-            return _pow2(x.shape[1]) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
+            long_ok = k <= GEMV_MAX_K or (k <= LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
+            return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
+        if k > GEMV_MAX_K or (rows > self.large_gemv_rows and w.shape[0] * k >= LARGE_WEIGHT):
+            return False
         if isinstance(w, Fp8Weight):
             return w.per_channel
         return w.dtype == x.dtype

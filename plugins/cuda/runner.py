@@ -40,7 +40,7 @@ from flashnext.core.spec.decoder import SpecStats, accepted_length
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS, argmax_chunks
+from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -369,10 +369,15 @@ class CudaGraphRunner(ModelRunner):
         kernels.decode_splits = self._splits(bucket)
         if self._row_invariant(bucket):
             kernels.gemv_max_rows, kernels.row_invariant = max(GEMV_MAX_ROWS, bucket * query_rows), True
+            # Large weights and long int4 rows (see LARGE_WEIGHT, LONG_GEMV_MAX_K): the GEMV for every row of a
+            # one-sequence graph, decode and verify alike; the skinny GEMM's 16-row tiles for every row of larger
+            # buckets, where the GEMV would read the weight once a row.
+            kernels.large_gemv_rows = bucket * query_rows if bucket == 1 else 0
         try:
             yield
         finally:
             kernels.decode_splits, kernels.gemv_max_rows, kernels.row_invariant = 1, GEMV_MAX_ROWS, False
+            kernels.large_gemv_rows = LARGE_GEMV_MAX_ROWS
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
         reserved, started = torch.cuda.memory_reserved(self.device), time.perf_counter()
