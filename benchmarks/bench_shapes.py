@@ -11,6 +11,7 @@ tok/s, TTFT and peak memory, with each precision's decode rate over the first pr
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -19,6 +20,8 @@ from rich.table import Table
 
 from flashnext.core import registry
 from flashnext.core.cli_bench import SHAPES, bench_rows, random_model_of
+from flashnext.core.errors import UserError
+from flashnext.core.precision import PRECISIONS
 
 # The Qwen3 dense sizes past 0.6B (head_dim 128, 8 KV heads, vocabulary 151,936 as 0.6B's; 8B unties the head).
 LARGER = {
@@ -37,13 +40,20 @@ def names(text: str, known) -> list[str]:
     return items
 
 
+def batch_sizes(text: str) -> list[int]:
+    sizes = [int(x) for x in text.split(",") if x.strip().isdigit() and int(x) > 0]
+    if not sizes or len(sizes) != len(text.split(",")):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of positive integers (e.g. 1,4)")
+    return sizes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="auto")
     p.add_argument("--shapes", type=lambda t: names(t, CONFIGS), default=["qwen3-0.6b", *LARGER])
-    p.add_argument("--precisions", type=lambda t: t.split(","), default=["bf16", "fp8-e4m3", "int4"],
+    p.add_argument("--precisions", type=lambda t: names(t, PRECISIONS), default=["bf16", "fp8-e4m3", "int4"],
                    help="the first is the others' baseline")
-    p.add_argument("--batch-sizes", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4])
+    p.add_argument("--batch-sizes", type=batch_sizes, default=[1, 4])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -94,4 +104,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # e.g. a backend this machine lacks, a precision it cannot run
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None

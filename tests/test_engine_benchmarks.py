@@ -114,6 +114,11 @@ def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "qwen3-9b"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "'qwen3-9b': choose from" in bad.stderr and "Traceback" not in bad.stderr
+    for flag, value in (("--precisions", "int3"), ("--batch-sizes", "1,x"), ("--backend", "rocm")):
+        bad = subprocess.run([sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "smollm2-135m", flag, value],
+                             capture_output=True, text=True)
+        last = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error:" in last and value in last, flag
 
 
 def test_random_weights_of_an_untied_config_carry_their_own_head():
