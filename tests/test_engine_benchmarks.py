@@ -106,7 +106,8 @@ def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
     r = json.loads(out.read_text())
     assert "decode, 8 in / 3 out" in done.stdout and r["bench"] == "decode_by_shape"
     bf16_1, bf16_2, int4_1, int4_2 = r["rows"]
-    assert [(x["precision"], x["batch_size"]) for x in r["rows"]] == [("bf16", 1), ("bf16", 2), ("int4", 1), ("int4", 2)]
+    runs = [(x["precision"], x["batch_size"]) for x in r["rows"]]
+    assert runs == [("bf16", 1), ("bf16", 2), ("int4", 1), ("int4", 2)]
     assert bf16_1["decode_over_bf16"] == bf16_2["decode_over_bf16"] == 1.0
     assert int4_1["params"] == bf16_1["params"] > 1e8 and bf16_1["layers"] == 30
     for int4, bf16 in ((int4_1, bf16_1), (int4_2, bf16_2)):

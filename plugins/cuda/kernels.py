@@ -37,9 +37,9 @@ GEMV_MAX_K = 4096
 # skinny GEMM.
 LONG_GEMV_MAX_K = 16384
 # Weights of at least this many elements (the layers of 1.7B and larger models; Qwen3-0.6B's are under 6.3M) run
-# the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows unless they are int4 of
-# at most GEMV_MAX_K columns (LARGE_GEMV_MAX_ROWS outside row-invariant graphs); others go to the skinny GEMM. Captured decode steps on an H200 at 1 / 2 / 4 rows,
-# rows sharing the GEMV's programs before: Qwen3-4B bf16 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one
+# the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows (LARGE_GEMV_MAX_ROWS
+# outside row-invariant graphs) unless they are int4 of at most GEMV_MAX_K columns; others go to the skinny GEMM.
+# Captured decode steps on an H200 at 1 / 2 / 4 rows, rows sharing the GEMV's programs before: Qwen3-4B bf16 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one
 # row 3,734 / 3,086 / 3,149; fp8 2,504 / 4,410 / 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 ->
 # 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 / 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4 (whose skinny GEMM widens
 # its nibbles on the way) is faster in the GEMV a row a program: 4B 1,714 / 4,107 / 6,331 -> 1,718 / 3,460 / 4,946,
