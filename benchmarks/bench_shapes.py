@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashnext.core import registry
-from flashnext.core.cli_bench import SHAPES, bench_rows, random_model_of
+from flashnext.core.cli_bench import SHAPES, bench_rows, parse_batch_sizes, random_model_of
 from flashnext.core.errors import UserError
 from flashnext.core.precision import PRECISIONS
 
@@ -40,20 +40,13 @@ def names(text: str, known) -> list[str]:
     return items
 
 
-def batch_sizes(text: str) -> list[int]:
-    sizes = [int(x) for x in text.split(",") if x.strip().isdigit() and int(x) > 0]
-    if not sizes or len(sizes) != len(text.split(",")):
-        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of positive integers (e.g. 1,4)")
-    return sizes
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="auto")
     p.add_argument("--shapes", type=lambda t: names(t, CONFIGS), default=["qwen3-0.6b", *LARGER])
     p.add_argument("--precisions", type=lambda t: names(t, PRECISIONS), default=["bf16", "fp8-e4m3", "int4"],
                    help="the first is the others' baseline")
-    p.add_argument("--batch-sizes", type=batch_sizes, default=[1, 4])
+    p.add_argument("--batch-sizes", default="1,4", help="comma-separated, e.g. 1,4")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -80,6 +73,7 @@ def shape_rows(shape: str, args, device: torch.device) -> list[dict]:
 
 def main(argv=None):
     args = parse_args(argv)
+    args.batch_sizes = parse_batch_sizes(args.batch_sizes)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = registry.select(registry.discover(), args.backend).backend.device()

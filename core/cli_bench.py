@@ -178,7 +178,7 @@ def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile
     return rows
 
 
-def _batch_sizes(text: str) -> list[int]:
+def parse_batch_sizes(text: str) -> list[int]:
     try:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -203,7 +203,7 @@ def bench(
     from rich.console import Console
     from rich.table import Table
 
-    sizes = _batch_sizes(batch_sizes)
+    sizes = parse_batch_sizes(batch_sizes)
     loaded = load_bench_model(model, shape, backend)
     rows = bench_rows(loaded, backend, precision, profile, sizes, prompt_len, gen_len)
     table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "peak MiB")

@@ -817,18 +817,23 @@ def test_gemv_row_pieces_follow_the_weight():
     assert pieces(4096, 12288, 32) == (8192, 4096)
 
 
+@pytest.fixture
+def gemv_rows(monkeypatch) -> list[int]:
+    """The row count of every CudaKernels.gemv call the test makes."""
+    rows = []
+    gemv = CudaKernels.gemv
+    monkeypatch.setattr(CudaKernels, "gemv", lambda self, x, w, **kw: rows.append(x.shape[0]) or gemv(self, x, w, **kw))
+    return rows
+
+
 @pytest.mark.parametrize("rows,large_gemv_rows", [(1, 1), (3, 1), (3, 3)])
-def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gemv_rows, monkeypatch):
+def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gemv_rows, gemv_rows, monkeypatch):
     """Int4 rows past GEMV_MAX_K (scaled down here to 256 columns) still take the register GEMV up to
     LONG_GEMV_MAX_K columns and large_gemv_rows rows: in two pieces, a row a program, 16 rows x 4 warps; the int8
     x blocks' products and each row a one-row call's bits. More rows, longer rows and 16-bit or fp8 weights of
     that width go to the skinny GEMM."""
     monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
     monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
-    gemv_rows = []
-    gemv = CudaKernels.gemv
-    monkeypatch.setattr(CudaKernels, "gemv", lambda self, x, w, **kw: gemv_rows.append(x.shape[0]) or gemv(self, x, w,
-                                                                                                            **kw))
     w = int4_quantize(torch.randn(40, 384) * 0.1, group_size=128).to(DEV)
     x = rand(rows, 384, dtype=torch.float32)
     kernels = CudaKernels()
@@ -849,16 +854,12 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
-def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(kind, monkeypatch):
+def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(kind, gemv_rows, monkeypatch):
     """Weights of LARGE_WEIGHT elements or more (scaled down here) run the GEMV a row a program (each row a
     one-row call's bits); 16-bit and fp8 ones only for calls of up to large_gemv_rows rows (then the skinny GEMM),
     int4 ones for any row count the GEMV takes."""
     monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
     monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
-    gemv_rows = []
-    gemv = CudaKernels.gemv
-    monkeypatch.setattr(CudaKernels, "gemv", lambda self, x, w, **kw: gemv_rows.append(x.shape[0]) or gemv(self, x, w,
-                                                                                                            **kw))
     w = torch.randn(48, 256) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind].to(DEV)
     x = rand(3, 256)

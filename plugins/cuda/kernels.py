@@ -39,11 +39,12 @@ LONG_GEMV_MAX_K = 16384
 # Weights of at least this many elements (the layers of 1.7B and larger models; Qwen3-0.6B's are under 6.3M) run
 # the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows (LARGE_GEMV_MAX_ROWS
 # outside row-invariant graphs) unless they are int4 of at most GEMV_MAX_K columns; others go to the skinny GEMM.
-# Captured decode steps on an H200 at 1 / 2 / 4 rows, rows sharing the GEMV's programs before: Qwen3-4B bf16 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one
-# row 3,734 / 3,086 / 3,149; fp8 2,504 / 4,410 / 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 ->
-# 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 / 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4 (whose skinny GEMM widens
-# its nibbles on the way) is faster in the GEMV a row a program: 4B 1,714 / 4,107 / 6,331 -> 1,718 / 3,460 / 4,946,
-# 8B 2,260 / 4,902 / 7,462 -> 2,271 / 4,354 / 6,199, 1.7B 851 / 1,696 / 2,207 -> 849 / 1,557 / 1,997.
+# Captured decode steps on an H200 at 1 / 2 / 4 rows, rows sharing the GEMV's programs before: Qwen3-4B bf16
+# 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one row 3,734 / 3,086 / 3,149; fp8 2,504 / 4,410 /
+# 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 -> 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 /
+# 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4 (whose skinny GEMM widens its nibbles on the way) is faster in the
+# GEMV a row a program: 4B 1,714 / 4,107 / 6,331 -> 1,718 / 3,460 / 4,946, 8B 2,260 / 4,902 / 7,462 -> 2,271 /
+# 4,354 / 6,199, 1.7B 851 / 1,696 / 2,207 -> 849 / 1,557 / 1,997.
 LARGE_WEIGHT, LARGE_GEMV_MAX_ROWS = 1 << 23, 1
 # Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
 # quantized ones only our kernels read.
@@ -1321,13 +1322,18 @@ def _small_weight(n_out: int, k: int) -> bool:
     return n_out * k < 1 << 21
 
 
+def _large_weight(n_out: int, k: int) -> bool:
+    """At least LARGE_WEIGHT elements: the layers of 1.7B and larger models."""
+    return n_out * k >= LARGE_WEIGHT
+
+
 def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     """Rows of x one GEMV program applies its W tile to, unrolled: more rows share a tile, fewer when the row is
     long (registers). A small weight gives each row programs of its own: L2 serves the re-reads and the rows run
     in parallel (a SmolLM2 K = 4 verify step: 726 vs 837 us; Qwen3's larger layers are faster shared: 1,693 vs
     1,769). Rows past GEMV_MAX_K fill the registers alone (H200, Qwen3-8B's int4 down projection: 4 rows sharing a
     program 149.9 us, one row 13.2), and large weights run faster a row a program too (LARGE_WEIGHT)."""
-    if _small_weight(n_out, k) or k > GEMV_MAX_K or n_out * k >= LARGE_WEIGHT:
+    if _small_weight(n_out, k) or k > GEMV_MAX_K or _large_weight(n_out, k):
         return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
 
@@ -1776,7 +1782,7 @@ class CudaKernels(ReferenceKernels):
         if isinstance(w, Int4Weight):
             long_ok = k <= GEMV_MAX_K or (k <= LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
             return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
-        if k > GEMV_MAX_K or (rows > self.large_gemv_rows and w.shape[0] * k >= LARGE_WEIGHT):
+        if k > GEMV_MAX_K or (rows > self.large_gemv_rows and _large_weight(w.shape[0], k)):
             return False
         if isinstance(w, Fp8Weight):
             return w.per_channel
