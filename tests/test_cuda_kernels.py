@@ -873,6 +873,112 @@ def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(ki
     assert gemv_rows[-1] == 3 and all(torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i]) for i in range(3))
 
 
+def _int8_rows_model(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int8Rows in float64: each group of columns rounded to int8 at its largest magnitude / 127, as (the integers
+    in column order, scales, sums)."""
+    groups = x.double().reshape(x.shape[0], -1, group)
+    scale = groups.abs().amax(-1) / 127.0
+    xi = torch.floor(groups / scale.clamp_min(1e-300)[..., None] + 0.5)
+    return xi.reshape(x.shape), scale, xi.sum(-1)
+
+
+@pytest.fixture
+def large_int4(monkeypatch):
+    """Int4 weights of 48 x 256 elements and up count as large (the layers of 1.7B+ models, scaled down)."""
+    monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int8_rows_hold_each_group_as_int8_even_columns_first(group):
+    """int8_quantize_rows: a group's even columns, then its odd ones, as int8 rounded at the group's largest
+    magnitude / 127, with the group's scale and integer sum; a NaN or inf makes its group's scale NaN only."""
+    x = rand(3, 5 * group)
+    x[1, 3], x[2, group + 1] = float("nan"), float("inf")
+    rows = CUDA.int8_quantize_rows(x, group)
+    xi, scale, sums = _int8_rows_model(x[:1].cpu(), group)
+    columns = torch.arange(5 * group).reshape(5, group)
+    order = torch.cat([columns[:, 0::2], columns[:, 1::2]], 1).reshape(-1)
+    off = (rows.data[0].cpu().double() - xi[0, order]).abs()  # float32 vs float64 rounding: ties may move by one
+    assert off.max() <= 1 and (off > 0).sum() <= 2
+    assert torch.allclose(rows.scale[0].cpu().double(), scale[0], rtol=1e-6)
+    assert torch.equal(rows.sums[0].cpu(), rows.data[0].cpu().reshape(5, group).sum(1).float())
+    assert torch.isnan(rows.scale[1, 0]) and torch.isnan(rows.scale[2, 1]) and torch.isfinite(rows.scale[1, 1:]).all()
+
+
+@pytest.mark.parametrize("group,rows,k", [(128, 2, 256), (64, 9, 320), (128, 20, 640), (128, 28, 2048)])
+def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, k, large_int4):
+    """Past one row (large_gemv_rows) and up to INT4_SKINNY_MAX_ROWS, large int4 weights of whole 64-column groups
+    go to the skinny GEMM with x rounded to int8 a group at a time: it computes x_scale (s dot(q, x_int8) + o
+    sum(x_int8)) a group, i.e. the int8 x times the dequantized weight (float64 model; the outputs round to
+    bf16), any K slices."""
+    w = int4_quantize(torch.randn(48, k) * 0.1, group_size=group, symmetric=group == 64).to(DEV)
+    x = rand(rows, k)
+    assert CUDA._takes_int8_rows(x, w) and not CUDA._takes_int8_rows(x[:1], w)
+    xi, scale, _ = _int8_rows_model(x.cpu(), group)
+    model = (xi.reshape(rows, -1, group) * scale[..., None]).reshape(rows, k) @ w.dequantize(torch.float64).T.cpu()
+    out = CUDA.linear(x, w)
+    assert nmse(out.cpu(), model) < 2e-5
+    assert nmse(out.cpu(), x.double().cpu() @ w.dequantize(torch.float64).T.cpu()) < 1e-3
+
+
+def test_int8_route_takes_large_int4_weights_of_64_column_groups_only(large_int4, gemv_rows, monkeypatch):
+    """One row stays in the register GEMV (large_gemv_rows: a one-sequence row-invariant graph's verify rows too);
+    GGUF's 32-column groups and weights under LARGE_WEIGHT keep the widening skinny GEMM."""
+    x = rand(8, 256)
+    large = int4_quantize(torch.randn(48, 256), group_size=128)
+    gguf = int4_quantize(torch.randn(48, 256), group_size=32)
+    small = int4_quantize(torch.randn(40, 256), group_size=128)
+    assert CUDA._takes_int8_rows(x, large.to(DEV))
+    assert not CUDA._takes_int8_rows(x, gguf.to(DEV)) and not CUDA._takes_int8_rows(x, small.to(DEV))
+    kernels = CudaKernels()
+    kernels.linear(x[:1], large.to(DEV))
+    kernels.linear(x[:3], large.to(DEV))
+    assert gemv_rows == [1]
+    kernels.large_gemv_rows = 3
+    kernels.linear(x[:3], large.to(DEV))
+    assert gemv_rows == [1, 3] and not kernels._takes_int8_rows(x[:3], large.to(DEV))
+
+
+def test_int8_rows_from_the_norm_and_silu_equal_quantizing_after(large_int4):
+    """Ahead of large int4 projections the rmsnorm and the SiLU write Int8Rows themselves: the projections'
+    outputs are bit-equal to normalizing, then quantizing in a pass of its own; the first layer's norm too."""
+    x, res, w_norm = rand(6, 256), rand(6, 256), rand(256)
+    gate_up = int4_quantize(torch.randn(2 * 192, 256), group_size=128).to(DEV)
+    down = int4_quantize(torch.randn(256, 192), group_size=64).to(DEV)
+    act, new_res = CUDA.norm_linear(x, res, w_norm, 1e-6, gate_up, silu=True, feeds=down)
+    assert isinstance(act, kernels_module.Int8Rows) and act.group == 64
+    normed, ref_res = CUDA.add_rmsnorm(x, res, w_norm, 1e-6)
+    ref_act = CUDA.silu_and_mul(CUDA.linear(CUDA.int8_quantize_rows(normed, 128), gate_up))
+    assert torch.equal(new_res, ref_res)
+    assert torch.equal(CUDA.linear(act, down), CUDA.linear(ref_act, down))
+    first, stream = CUDA.norm_linear(x, None, w_norm, 1e-6, gate_up)
+    assert torch.equal(first, CUDA.linear(CUDA.rmsnorm(x, w_norm, 1e-6), gate_up)) and stream is x
+
+
+def test_int8_rows_keep_each_row_as_a_one_row_call_computes_it(large_int4):
+    """In a row-invariant graph (16-row tiles' config whatever the count) each row's products are a one-row
+    call's bits: x's groups round per row and the integer dots are exact; a NaN row stays NaN alone."""
+    kernels = CudaKernels()
+    kernels.row_invariant, kernels.large_gemv_rows = True, 0
+    w = int4_quantize(torch.randn(48, 512) * 0.1, group_size=128).to(DEV)
+    x = rand(5, 512)
+    x[3, 7] = float("nan")
+    many = kernels.linear(x, w)
+    for i in (0, 1, 4):
+        assert torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i])
+    assert torch.isnan(many[3]).all() and torch.isfinite(many[[0, 1, 2, 4]]).all()
+
+
+def test_int4_int8_config_follows_the_weight():
+    cfg = kernels_module.int4_int8_config
+    assert cfg(24576, 4096, 4, 128) == (64, 128, 3, 1) and cfg(19456, 2560, 4, 128) == (32, 128, 4, 1)  # gate/up
+    assert cfg(4096, 12288, 8, 128) == (32, 512, 3, 2) and cfg(2560, 9728, 8, 128) == (32, 256, 3, 2)  # down
+    assert cfg(2560, 4096, 2, 128) == (32, 512, 3, 1) and cfg(6144, 4096, 16, 128) == (32, 256, 3, 2)  # o, qkv
+    assert cfg(4096, 12288, 64, 128) == (64, 256, 3, 2) and cfg(6144, 4096, 32, 128) == (64, 128, 4, 2)
+    assert cfg(96, 320, 4, 64) == (32, 64, 3, 2)  # steps halved to a group that divides K (skinny_gemm: one slice)
+
+
 SCALED_MM_ROWS = pytest.param(80, marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="torch._scaled_mm needs an fp8 GPU")])
 

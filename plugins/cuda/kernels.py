@@ -38,13 +38,13 @@ GEMV_MAX_K = 4096
 LONG_GEMV_MAX_K = 16384
 # Weights of at least this many elements (the layers of 1.7B and larger models; Qwen3-0.6B's are under 6.3M) run
 # the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows (LARGE_GEMV_MAX_ROWS
-# outside row-invariant graphs) unless they are int4 of at most GEMV_MAX_K columns; others go to the skinny GEMM.
+# outside row-invariant graphs); more rows go to the skinny GEMM (int4 ones meeting Int8Rows: _meets_int8_rows).
 # Captured decode steps on an H200 at 1 / 2 / 4 rows, rows sharing the GEMV's programs before: Qwen3-4B bf16
 # 3,739 / 6,849 / 9,167 us, through the skinny GEMM above one row 3,734 / 3,086 / 3,149; fp8 2,504 / 4,410 /
 # 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 -> 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 /
-# 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4 (whose skinny GEMM widens its nibbles on the way) is faster in the
-# GEMV a row a program: 4B 1,714 / 4,107 / 6,331 -> 1,718 / 3,460 / 4,946, 8B 2,260 / 4,902 / 7,462 -> 2,271 /
-# 4,354 / 6,199, 1.7B 851 / 1,696 / 2,207 -> 849 / 1,557 / 1,997.
+# 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4, the GEMV a row a program (the skinny GEMM widening its nibbles was
+# slower) against the skinny GEMM with Int8Rows: 4B 3,469 / 4,951 -> 2,799 / 2,885, 8B 4,360 / 6,207 -> 3,838 /
+# 4,046, 1.7B 1,561 / 1,999 -> 1,401 / 1,510 (session 20).
 LARGE_WEIGHT, LARGE_GEMV_MAX_ROWS = 1 << 23, 1
 # Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
 # quantized ones only our kernels read.
@@ -58,7 +58,9 @@ ARGMAX_CHUNKS, ARGMAX_MIN_CHUNK = 128, 1024
 SKINNY_MAX_ROWS = 64
 # Int4 batches up to this many rows widen their nibbles inside the skinny GEMM (int4_skinny_config); larger ones
 # dequantize in a pass first (H200, Qwen3 shape, captured int4 decode steps against the pass: 5 rows 17% shorter,
-# 8: 14%, 16: 16%, 32: 5%; at 64 rows the seven fused configurations tried were 4-15% longer).
+# 8: 14%, 16: 16%, 32: 5%; at 64 rows the seven fused configurations tried were 4-15% longer). So do large int4
+# weights meeting Int8Rows (_meets_int8_rows; Qwen3-8B, captured steps against widening: 32 rows 16,264 -> 6,799
+# us; at 64 rows against the pass 11,239 -> 11,361, so the pass stays).
 INT4_SKINNY_MAX_ROWS = 32
 # Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized by the
 # attention kernel, a scale per token and kv group (heads_per_scale), no pass between (H200, Qwen3 shape, captured
@@ -120,9 +122,11 @@ def _dot(a, b, acc=None):
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
                     HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                    fp8_ptr=None, scale_ptr=None, FMAX: tl.constexpr = 0.0):
+                    fp8_ptr=None, scale_ptr=None, FMAX: tl.constexpr = 0.0, sum_ptr=None,
+                    INT8_GROUP: tl.constexpr = 0):
     """rmsnorm(x (+ res)); with FMAX the normalized row goes out as per-token fp8 (fp8_ptr, scale_ptr) instead,
-    bit-equal to normalizing and then quantizing in two passes."""
+    bit-equal to normalizing and then quantizing in two passes; with INT8_GROUP as Int8Rows (fp8_ptr, scale_ptr,
+    sum_ptr)."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
@@ -139,6 +143,10 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
     normed = (xf * rms * w).to(out_ptr.dtype.element_ty)
     if FMAX > 0:
         _quantize_row(normed.to(tl.float32), fp8_ptr + row * K + cols, mask, scale_ptr + row, FMAX)
+    elif INT8_GROUP > 0:
+        groups = K // INT8_GROUP
+        _store_int8_groups(normed.to(tl.float32), 0, K, fp8_ptr + row * K, scale_ptr + row * groups,
+                           sum_ptr + row * groups, BLOCK_K, INT8_GROUP)
     else:
         tl.store(out_ptr + row * K + cols, normed, mask=mask)
 
@@ -646,9 +654,10 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, scale_ptr=None,
-                     FMAX: tl.constexpr = 0.0):
+                     FMAX: tl.constexpr = 0.0, sum_ptr=None, INT8_GROUP: tl.constexpr = 0):
     """silu(gate) * up; with FMAX out takes each program's BLOCK columns as fp8 and scale_ptr their scale
-    ([rows, programs along the row]: one program a row, BLOCK >= N, makes it per token)."""
+    ([rows, programs along the row]: one program a row, BLOCK >= N, makes it per token); with INT8_GROUP (which
+    divides BLOCK) out, scale_ptr and sum_ptr take Int8Rows."""
     _after_producer(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -661,6 +670,10 @@ def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, 
     if FMAX > 0:
         _quantize_row(act.to(tl.float32), out_ptr + row * N + cols, m,
                       scale_ptr + row * tl.num_programs(1) + tl.program_id(1), FMAX)
+    elif INT8_GROUP > 0:
+        groups = N // INT8_GROUP
+        _store_int8_groups(act.to(tl.float32), tl.program_id(1) * BLOCK, N, out_ptr + row * N,
+                           scale_ptr + row * groups, sum_ptr + row * groups, BLOCK, INT8_GROUP)
     else:
         tl.store(out_ptr + row * N + cols, act, mask=m)
 
@@ -673,6 +686,17 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
     m = cols < K
     x = tl.load(x_ptr + row * K + cols, mask=m, other=0.0).to(tl.float32)
     _quantize_row(x, q_ptr + row * K + cols, m, scale_ptr + row, FMAX)
+
+
+@triton.jit
+def _int8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, sum_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+    _after_producer(PDL)
+    row, first = tl.program_id(0), tl.program_id(1) * BLOCK
+    cols = first + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+    _store_int8_groups(x, first, K, q_ptr + row * K, scale_ptr + row * (K // GROUP), sum_ptr + row * (K // GROUP),
+                       BLOCK, GROUP)
 
 
 @triton.jit
@@ -891,15 +915,17 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
 def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, keys_ptr, part_ptr, count_ptr,
                         M, N, K, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr, X_GROUP: tl.constexpr = 0):
+                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr, X_GROUP: tl.constexpr = 0,
+                        INT8_X: tl.constexpr = False, x_sum_ptr=None):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
     they are; the epilogue applies x_scale ⊗ w_scale. X_GROUP > 0: x has a scale per token and group of X_GROUP
     columns (x_scale [M, ceil(K / X_GROUP)]; X_GROUP and BLOCK_K powers of two), applied to each group's partial
     product.
-    INT4 (WKIND 2): each W tile is widened to x's dtype in registers (_int4_tile, as the dequantization pass
-    does), so the products are those of the dequantized weight.
+    INT4 (WKIND 2): with INT8_X, x arrives as Int8Rows (x_scale_ptr, x_sum_ptr: its scales and sums) and meets
+    the nibbles on the int8 tensor cores (_int4_int8_step); otherwise each W tile is widened to x's dtype in
+    registers (_int4_tile, as the dequantization pass does), so the products are those of the dequantized weight.
     SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
     multiples), so a few-MB weight is streamed by SPLIT_K times more programs. Each stores its fp32 partial tile
     in part_ptr and counts itself in count_ptr[tile]; the last to arrive adds the partials in slice order (the
@@ -929,6 +955,9 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
                 x_scale = tl.load(x_scale_ptr + rm * tl.cdiv(K, X_GROUP) + (k0 + g * SUB) // X_GROUP, mask=m_ok,
                                   other=0.0)
                 acc += _dot(x, tl.trans(w)) * x_scale[:, None]
+        elif INT8_X:
+            acc = _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok,
+                                  K, k0, acc, GROUP, BLOCK_K)
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
@@ -961,6 +990,62 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
             tl.atomic_max(keys_ptr + rm * KEY_CHUNKS + pid_n % KEY_CHUNKS, keys, mask=m_ok)
         else:
             tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _int8_dot(a, b, acc=None):
+    """a @ b of int8 operands summed exactly in int32 (the interpreter: in float32, exact at these sizes)."""
+    if _INTERPRETED:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32)).to(tl.int32)
+        if acc is not None:
+            out += acc
+    else:
+        out = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return out
+
+
+@triton.jit
+def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok, K, k0, acc,
+                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x · Wᵀ over columns k0 .. k0 + BLOCK_K for int4 rows and x as Int8Rows of the weight's group: the
+    nibbles meet x on the int8 tensor cores as they are, low nibbles with each group's even columns, high ones
+    with its odd columns (stored in that order), so nothing is widened; a group's exact integer dot d then adds
+    x_scale (s d + o x_sum)."""
+    HALF: tl.constexpr = GROUP // 2
+    for g in tl.static_range(BLOCK_K // GROUP):
+        first = k0 + g * GROUP
+        x_even = tl.load(x_ptr + rm[:, None] * K + (first + tl.arange(0, HALF))[None, :], mask=m_ok[:, None], other=0)
+        x_odd = tl.load(x_ptr + rm[:, None] * K + (first + HALF + tl.arange(0, HALF))[None, :], mask=m_ok[:, None],
+                        other=0)
+        x_at = rm * (K // GROUP) + first // GROUP
+        x_scale = tl.load(x_scale_ptr + x_at, mask=m_ok, other=0.0)
+        x_sum = tl.load(x_sum_ptr + x_at, mask=m_ok, other=0.0)
+        p = tl.load(w_ptr + rn[:, None] * (K // 2) + (first // 2 + tl.arange(0, HALF))[None, :], mask=n_ok[:, None],
+                    other=0)
+        d = _int8_dot(x_odd, tl.trans((p >> 4).to(tl.int8)), _int8_dot(x_even, tl.trans((p & 0xF).to(tl.int8))))
+        w_at = rn * (K // GROUP) + first // GROUP
+        s = tl.load(scales_ptr + w_at, mask=n_ok, other=0.0)
+        o = tl.load(offsets_ptr + w_at, mask=n_ok, other=0.0)
+        acc += x_scale[:, None] * (d.to(tl.float32) * s[None, :] + x_sum[:, None] * o[None, :])
+    return acc
+
+
+@triton.jit
+def _store_int8_groups(x, first, K, data_ptr, scale_ptr, sum_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """One row's Int8Rows at columns first .. first + BLOCK (first on a group boundary) of x (float32 [BLOCK], 0
+    past K), row pointers given: each group rounded to int8 at its largest magnitude / 127, its even columns
+    stored before its odd ones (the order _int4_int8_step reads), its scale and the sum of its integers. A NaN or
+    inf makes the group's scale NaN, so the products go NaN as a float dot's would (see _x_int8)."""
+    groups = tl.reshape(x, (BLOCK // GROUP, GROUP))
+    amax = tl.max(tl.abs(groups), axis=1)
+    xi = tl.floor(groups * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)
+    cols = first + tl.arange(0, BLOCK)
+    j = cols % GROUP
+    tl.store(data_ptr + cols - j + (j % 2) * (GROUP // 2) + j // 2, tl.reshape(xi, (BLOCK,)).to(tl.int8),
+             mask=cols < K)
+    g = first // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_ptr + g, amax / 127.0 + tl.sum(groups * 0.0, axis=1), mask=g * GROUP < K)
+    tl.store(sum_ptr + g, tl.sum(xi, axis=1).to(tl.float32), mask=g * GROUP < K)
 
 
 @triton.jit
@@ -1248,6 +1333,29 @@ def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, in
     return (32 if rows <= 16 else 16), block_k, 3, 1
 
 
+def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int]:
+    """skinny_config for int4 weights meeting Int8Rows (large ones: _meets_int8_rows). Up to 16 rows, 32 weight
+    rows a program: rows at least as long as the outputs are many (o, down) 512 columns a step where 1,024 divide
+    K (else 256), K in two slices where it is twice the outputs; the widest (gate/up, outputs >= 4 x K) 128
+    columns, one slice, 64 weight rows and three stages from K = 4,096; the rest (qkv) 256 columns in two
+    slices. The fastest of 54 configs at 2 / 4 / 8 / 16 rows on Qwen3 1.7B / 4B / 8B's large weights, or within 7%
+    of it, but 1.7B's qkv (12-18%: one rule for qkv; H200, docs/benchmarks.md, session 20). 17-32 rows (programs
+    of 32 rows of x): 64 weight rows, 128 columns and four stages, K in two slices, or 256 columns and three
+    stages past 8,192 columns (the fastest of 9 configs for Qwen3-8B's weights at 64 rows in exp116; not swept at
+    32). Steps are halved until they divide K (a group divides it)."""
+    if rows > 16:
+        block_n, block_k, stages, split_k = (64, 256, 3, 2) if k > 8192 else (64, 128, 4, 2)
+    elif k >= n:
+        block_n, block_k, stages, split_k = 32, (512 if k % 1024 == 0 else 256), 3, (2 if k >= 2 * n else 1)
+    elif n >= 4 * k:
+        block_n, block_k, stages, split_k = (64, 128, 3, 1) if k >= 4096 else (32, 128, 4, 1)
+    else:
+        block_n, block_k, stages, split_k = 32, 256, 3, 2
+    while k % block_k and block_k > group:
+        block_k //= 2
+    return block_n, block_k, stages, split_k
+
+
 def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
     """(keys a tile, warps, pipeline stages) of the paged attention kernel. Decode steps (one query row a
     sequence) with head_dim 128: 64 keys, two warps (the fastest of a sweep on an H200 at batch 64, context 320:
@@ -1317,6 +1425,16 @@ def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
     return first, rest
 
 
+def _meets_int8_rows(w: Int4Weight) -> bool:
+    """Large int4 weights (the layers of 1.7B and larger models) whose groups are a power of two of at least 64
+    columns meet Int8Rows of their group in the skinny GEMM (each half of a group fills an int8 mma step of
+    32), which streams them 1.7-2.6x faster at 4 rows than widening their nibbles to bf16 there. Others are
+    widened (GGUF's 32-column blocks; the smaller weights of Qwen3-0.6B, whose captured steps of 8-32 rows ran
+    5-8% slower with Int8Rows: H200, docs/benchmarks.md, session 20)."""
+    g = w.group_size
+    return g >= 64 and g & (g - 1) == 0 and _large_weight(*w.shape)
+
+
 def _small_weight(n_out: int, k: int) -> bool:
     """Under 2^21 elements (4 MiB in 16 bits): the layers of SmolLM2-135M are, those of Qwen3-0.6B are not."""
     return n_out * k < 1 << 21
@@ -1349,16 +1467,12 @@ def _key_chunks(sampled: torch.Tensor) -> int:
 
 
 @dataclass
-class Fp8Rows:
-    """Activations quantized to fp8-e4m3 by the kernel that produced them (an rmsnorm, SiLU-and-mul or decode
-    attention ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale
-    [rows, 1] per token, or with group > 0 (a power of two) [rows, ceil(K / group)], a scale per token and group
-    of columns."""
+class _QuantizedRows:
+    """Activations a projection takes quantized, data [rows, K] with their scales: shaped as the rows they stand
+    for, so routing code reads them as it reads a tensor."""
 
     data: torch.Tensor
     scale: torch.Tensor
-    dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
-    group: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -1369,11 +1483,41 @@ class Fp8Rows:
         return self.data.device
 
 
+@dataclass
+class Fp8Rows(_QuantizedRows):
+    """Activations quantized to fp8-e4m3 by the kernel that produced them (an rmsnorm, SiLU-and-mul or decode
+    attention ahead of an fp8 projection), so the projection needs no quantization pass: data [rows, K], scale
+    [rows, 1] per token, or with group > 0 (a power of two) [rows, ceil(K / group)], a scale per token and group
+    of columns."""
+
+    dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
+    group: int = 0
+
+
 def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor, group: int = 0) -> Fp8Rows:
     """Fp8Rows to be written: a scale per token, or with group > 0 per token and group of columns."""
     scales = triton.cdiv(k, group) if group else 1
     return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
                    torch.empty(rows, scales, dtype=torch.float32, device=like.device), like.dtype, group)
+
+
+@dataclass
+class Int8Rows(_QuantizedRows):
+    """Activations rounded to int8 a group of columns at a time (the group of the int4 weight they meet) by the
+    kernel that produced them or a pass (CudaKernels.int8_quantize_rows): data [rows, K] int8, each group's
+    even columns before its odd ones (_store_int8_groups), scale and sums [rows, K / group] float32 (a group's
+    largest magnitude / 127, and the sum of its integers, which the weight's offsets multiply)."""
+
+    sums: torch.Tensor
+    dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
+    group: int
+
+
+def _empty_int8_rows(rows: int, k: int, like: torch.Tensor, group: int) -> Int8Rows:
+    groups = (rows, k // group)
+    return Int8Rows(torch.empty(rows, k, dtype=torch.int8, device=like.device),
+                    torch.empty(groups, dtype=torch.float32, device=like.device),
+                    torch.empty(groups, dtype=torch.float32, device=like.device), like.dtype, group)
 
 
 class CudaKernels(ReferenceKernels):
@@ -1449,6 +1593,39 @@ class CudaKernels(ReferenceKernels):
             _silu_mul_kernel[(rows, out.scale.shape[1])](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
                                              FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4,
                                              **self._pdl)
+        return out
+
+    def add_rmsnorm_int8(self, x, residual, weight, eps, group: int) -> tuple[Int8Rows, torch.Tensor]:
+        """rmsnorm(x (+ residual; None: x is the residual stream)) as Int8Rows of group columns, and the new
+        residual: one pass."""
+        rows, k = x.shape
+        out = _empty_int8_rows(rows, k, x, group)
+        res_out = torch.empty_like(x) if residual is not None else x
+        if rows:
+            _rmsnorm_kernel[(rows,)](x, x if residual is None else residual, res_out, weight, x, k, eps,
+                                     HAS_RES=residual is not None, BLOCK_K=_pow2(k), fp8_ptr=out.data,
+                                     scale_ptr=out.scale, sum_ptr=out.sums, INT8_GROUP=group, **self._pdl)
+        return out, res_out
+
+    def silu_and_mul_int8(self, x, group: int) -> Int8Rows:
+        """silu_and_mul as Int8Rows of group columns, on silu_and_mul's grid."""
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = _empty_int8_rows(rows, n, x, group)
+        if rows:
+            block = max(group, min(1024, _pow2(n)))
+            _silu_mul_kernel[(rows, triton.cdiv(n, block))](x.contiguous(), out.data, n, BLOCK=block,
+                                                            scale_ptr=out.scale, sum_ptr=out.sums,
+                                                            INT8_GROUP=group, **self._pdl)
+        return out
+
+    def int8_quantize_rows(self, x, group: int) -> Int8Rows:
+        """x as Int8Rows of group columns (one pass), for a producer that cannot write them itself."""
+        rows, k = x.shape
+        out = _empty_int8_rows(rows, k, x, group)
+        if rows:
+            block = max(group, min(1024, _pow2(k)))
+            _int8_quant_rows_kernel[(rows, triton.cdiv(k, block))](x.contiguous(), out.data, out.scale, out.sums, k,
+                                                                   GROUP=group, BLOCK=block, **self._pdl)
         return out
 
     # --- attention block pieces ----------------------------------------------------------------------------
@@ -1596,9 +1773,12 @@ class CudaKernels(ReferenceKernels):
         return self.register_gemv and self._gemv_fits(x, w) and wide_ok
 
     def linear(self, x, w: Weight, bias=None, live=None):
-        """x @ w.T (+ bias); x may be Fp8Rows when _takes_fp8_rows(x, w) said so. live: see gemv."""
+        """x @ w.T (+ bias); x may be Fp8Rows when _takes_fp8_rows(x, w) said so, Int8Rows when _takes_int8_rows
+        did. live: see gemv."""
         if isinstance(x, Fp8Rows):
             out = self.skinny_gemm(x, w) if self._skinny_fits(x, w) else self._fp8_linear(x, w)
+        elif isinstance(x, Int8Rows) or self._takes_int8_rows(x, w):
+            out = self.skinny_gemm(x, w)
         elif self._gemv_route(x, w):
             out = self.gemv(x, w, live=live)
         elif self._skinny_fits(x, w):
@@ -1618,11 +1798,11 @@ class CudaKernels(ReferenceKernels):
         unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too (and wide outputs
         of which only greedy_keys' argmax is wanted: keys_only). Int4 weights up to
         INT4_SKINNY_MAX_ROWS rows (in row-invariant graphs any count, as a pass and a 16-bit GEMM sum in another
-        order) where a K step of whole groups divides K."""
+        order) where a K step of whole groups divides K or they meet Int8Rows (_meets_int8_rows)."""
         if isinstance(w, Int4Weight):
             return ((x.shape[0] <= INT4_SKINNY_MAX_ROWS or self.row_invariant)
                     and x.dtype in (torch.bfloat16, torch.float16)
-                    and int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None)
+                    and (_meets_int8_rows(w) or int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None))
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
         # Wide 16-bit outputs (a vocabulary projection) stream better through cuBLAS, unless only their argmax is
         # wanted (keys_only: greedy_keys); wide fp8 ones do not through torch._scaled_mm (H200, Qwen3's head at 64
@@ -1636,19 +1816,27 @@ class CudaKernels(ReferenceKernels):
 
     def skinny_gemm(self, x, w: Weight, config=None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
-        a 16-bit or int4 W (widened tile by tile) meets x as is. keys: see greedy_keys (then returned instead of the
+        int4 W of whole 64-column groups Int8Rows (quantized here if x is not), a 16-bit or other int4 W (widened
+        tile by tile) x as is. keys: see greedy_keys (then returned instead of the
         outputs, which are not written)."""
         rows, k = x.shape
         n = w.shape[0]
         out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
         kind, data, scales, offsets, group = self._weight_kind(w)
-        x_in, x_scale = self._fp8_rows(x) if kind == FP8 else (x.contiguous(), x)
+        if kind == INT4 and _meets_int8_rows(w) and not isinstance(x, Int8Rows):
+            x = self.int8_quantize_rows(x, group)
+        int8 = isinstance(x, Int8Rows)
+        if kind == FP8:
+            x_in, x_scale = self._fp8_rows(x)
+        else:
+            x_in, x_scale = (x.data, x.scale) if int8 else (x.contiguous(), x)
         x_group = x.group if isinstance(x, Fp8Rows) else 0  # a power of two, as block_k
         # Row-invariant graphs: one tile shape (16 rows, the mma's) and configuration whatever the row count, so
         # each row's products are summed in a one-row call's order.
         tile_rows = 16 if self.row_invariant else rows
         if config is None:
-            config = (int4_skinny_config(k, tile_rows, group) if kind == INT4
+            config = (int4_int8_config(n, k, tile_rows, group) if int8
+                      else int4_skinny_config(k, tile_rows, group) if kind == INT4
                       else skinny_config(n, k, tile_rows, data.element_size()))
         block_n, block_k, stages, split_k = config
         if k % (split_k * block_k):
@@ -1662,7 +1850,7 @@ class CudaKernels(ReferenceKernels):
             WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
             num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
             LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], X_GROUP=x_group,
-            **self._pdl)
+            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, **self._pdl)
         return out if keys is None else keys
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
@@ -1715,6 +1903,12 @@ class CudaKernels(ReferenceKernels):
         fp8 GEMM only (torch._scaled_mm scales whole rows)."""
         return self._takes_fp8_rows(x, w) and self._skinny_fits(x, w)
 
+    def _takes_int8_rows(self, x, w) -> bool:
+        """Whether linear(x, w) takes x as Int8Rows (large int4 weights of 64+-column groups, in the skinny GEMM):
+        then x's producer can write them, saving int8_quantize_rows' pass."""
+        return (isinstance(w, Int4Weight) and _meets_int8_rows(w) and not isinstance(x, Fp8Rows)
+                and not self._gemv_route(x, w) and self._skinny_fits(x, w))
+
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
         """torch._scaled_mm's tile constraint."""
@@ -1752,6 +1946,8 @@ class CudaKernels(ReferenceKernels):
             act = out[:, : out.shape[1] // 2]  # the shape and dtype silu_and_mul's output will have
             if feeds is not None and self._takes_fp8_rows(act, feeds):
                 out = self.silu_and_mul_fp8(out, grouped=self._takes_grouped_fp8_rows(act, feeds))
+            elif feeds is not None and self._takes_int8_rows(act, feeds):
+                out = self.silu_and_mul_int8(out, feeds.group_size)
             else:
                 out = self.silu_and_mul(out)
         return out, residual
@@ -1760,6 +1956,8 @@ class CudaKernels(ReferenceKernels):
         """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows where it can), and the new residual."""
         if self._takes_fp8_rows(x, w):
             return self.add_rmsnorm_fp8(x, residual, norm_w, eps)
+        if self._takes_int8_rows(x, w):
+            return self.add_rmsnorm_int8(x, residual, norm_w, eps, w.group_size)
         if residual is None:
             return self.rmsnorm(x, norm_w, eps), x
         return self.add_rmsnorm(x, residual, norm_w, eps)
@@ -1780,6 +1978,8 @@ class CudaKernels(ReferenceKernels):
         if rows > self.gemv_max_rows:
             return False
         if isinstance(w, Int4Weight):
+            if rows > self.large_gemv_rows and _large_weight(w.shape[0], k) and _meets_int8_rows(w):
+                return False
             long_ok = k <= GEMV_MAX_K or (k <= LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
             return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
         if k > GEMV_MAX_K or (rows > self.large_gemv_rows and _large_weight(w.shape[0], k)):
