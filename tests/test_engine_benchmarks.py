@@ -7,6 +7,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from fixtures import write_tiny_hf_model
@@ -97,6 +98,20 @@ def test_bench_fp8_activation_scales_groups_as_the_cuda_decode_path():
     assert smollm2[id(layers[0].down)] == 1024
     o_only = bench.cuda_groups(model(9, 3, 64), down=False)
     assert id(layers[0].down) not in o_only and o_only[id(layers[0].o)] == 64
+
+
+def test_bench_int8_activations_rounds_each_block_as_the_kernels_do():
+    """The int8 quality benchmark's round trip: a block's values at multiples of its largest magnitude / 127, an
+    outlier coarsening its own block only (a partial last block too), as CudaKernels.int8_quantize_rows rounds."""
+    spec = importlib.util.spec_from_file_location("bench_int8", BENCH / "bench_int8_activations.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = torch.tensor([[127.0, 0.4, 0.6, -1.5, 0.02, 0.01, 3.0]])
+    whole, blocks = bench.int8_round_trip(x, 7), bench.int8_round_trip(x, 2)
+    assert whole.tolist() == [[127.0, 0.0, 1.0, -1.0, 0.0, 0.0, 3.0]]  # floor(x + 0.5): -1.5 -> -1
+    assert blocks[0, 4] == pytest.approx(0.02, rel=1e-6) and blocks[0, 6] == 3.0  # each its block's largest
+    assert blocks[0, 5] == pytest.approx(64 * 0.02 / 127, rel=1e-6)  # 0.01 * 127 / 0.02 = 63.5 rounds up to 64
+    assert torch.allclose(blocks[0, 2:4], x[0, 2:4], rtol=0.01)
 
 
 def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
