@@ -857,7 +857,7 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
 def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(kind, gemv_rows, monkeypatch):
     """Weights of LARGE_WEIGHT elements or more (scaled down here) run the GEMV a row a program (each row a
     one-row call's bits); 16-bit and fp8 ones only for calls of up to large_gemv_rows rows (then the skinny GEMM),
-    int4 ones for any row count the GEMV takes."""
+    int4 ones of 32-column groups (which do not meet Int8Rows) for any row count the GEMV takes."""
     monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
     monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
     w = torch.randn(48, 256) * 0.1

@@ -1816,9 +1816,8 @@ class CudaKernels(ReferenceKernels):
 
     def skinny_gemm(self, x, w: Weight, config=None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
-        int4 W of whole 64-column groups Int8Rows (quantized here if x is not), a 16-bit or other int4 W (widened
-        tile by tile) x as is. keys: see greedy_keys (then returned instead of the
-        outputs, which are not written)."""
+        int4 W that _meets_int8_rows Int8Rows (made here if x is not), a 16-bit or other int4 W (widened tile by
+        tile) x as is. keys: see greedy_keys (then returned instead of the outputs, which are not written)."""
         rows, k = x.shape
         n = w.shape[0]
         out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
@@ -1828,8 +1827,10 @@ class CudaKernels(ReferenceKernels):
         int8 = isinstance(x, Int8Rows)
         if kind == FP8:
             x_in, x_scale = self._fp8_rows(x)
+        elif int8:
+            x_in, x_scale = x.data, x.scale
         else:
-            x_in, x_scale = (x.data, x.scale) if int8 else (x.contiguous(), x)
+            x_in, x_scale = x.contiguous(), x
         x_group = x.group if isinstance(x, Fp8Rows) else 0  # a power of two, as block_k
         # Row-invariant graphs: one tile shape (16 rows, the mma's) and configuration whatever the row count, so
         # each row's products are summed in a one-row call's order.
@@ -1906,8 +1907,8 @@ class CudaKernels(ReferenceKernels):
     def _takes_int8_rows(self, x, w) -> bool:
         """Whether linear(x, w) takes x as Int8Rows (large int4 weights of 64+-column groups, in the skinny GEMM):
         then x's producer can write them, saving int8_quantize_rows' pass."""
-        return (isinstance(w, Int4Weight) and _meets_int8_rows(w) and not isinstance(x, Fp8Rows)
-                and not self._gemv_route(x, w) and self._skinny_fits(x, w))
+        return (isinstance(w, Int4Weight) and _meets_int8_rows(w) and not self._gemv_route(x, w)
+                and self._skinny_fits(x, w))
 
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
@@ -1934,8 +1935,8 @@ class CudaKernels(ReferenceKernels):
 
         residual None means x is the residual stream itself (the first layer). Batches of up to gemv_max_rows
         rows run as one fused GEMV (any weight kind); anything else as the separate kernels, the norm (and with
-        feeds, the weight the silu output goes to, the SiLU) writing per-token fp8 rows when the projection after
-        it takes them. live: see gemv (the separate kernels compute every row).
+        feeds, the weight the silu output goes to, the SiLU) writing fp8 rows or Int8Rows when the projection
+        after it takes them. live: see gemv (the separate kernels compute every row).
         """
         if self._gemv_route(x, w):
             return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True,
@@ -1953,7 +1954,8 @@ class CudaKernels(ReferenceKernels):
         return out, residual
 
     def _norm_for(self, x, residual, norm_w, eps, w: Weight) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-        """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows where it can), and the new residual."""
+        """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows or Int8Rows where it can), and the new
+        residual."""
         if self._takes_fp8_rows(x, w):
             return self.add_rmsnorm_fp8(x, residual, norm_w, eps)
         if self._takes_int8_rows(x, w):
@@ -1973,12 +1975,13 @@ class CudaKernels(ReferenceKernels):
 
     def _gemv_fits(self, x, w) -> bool:
         """Few rows (gemv_max_rows), rows of at most GEMV_MAX_K columns (int4: LONG_GEMV_MAX_K, for at most
-        large_gemv_rows rows past GEMV_MAX_K), and for large 16-bit or fp8 weights at most large_gemv_rows rows."""
+        large_gemv_rows rows past GEMV_MAX_K), and for large 16-bit, fp8 or Int8Rows-meeting int4 weights at most
+        large_gemv_rows rows."""
         rows, k = x.shape
         if rows > self.gemv_max_rows:
             return False
         if isinstance(w, Int4Weight):
-            if rows > self.large_gemv_rows and _large_weight(w.shape[0], k) and _meets_int8_rows(w):
+            if rows > self.large_gemv_rows and _meets_int8_rows(w):
                 return False
             long_ok = k <= GEMV_MAX_K or (k <= LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
             return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
