@@ -922,7 +922,7 @@ def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, k, large_
     assert nmse(out.cpu(), x.double().cpu() @ w.dequantize(torch.float64).T.cpu()) < 1e-3
 
 
-def test_int8_route_takes_large_int4_weights_of_64_column_groups_only(large_int4, gemv_rows, monkeypatch):
+def test_int8_route_takes_large_int4_weights_of_64_column_groups_only(large_int4, gemv_rows):
     """One row stays in the register GEMV (large_gemv_rows: a one-sequence row-invariant graph's verify rows too);
     GGUF's 32-column groups and weights under LARGE_WEIGHT keep the widening skinny GEMM."""
     x = rand(8, 256)
