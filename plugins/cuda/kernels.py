@@ -776,21 +776,25 @@ def _dp4a(a, b, c):
 
 
 @triton.jit
+def _int8_blocks(xb):
+    """xb [blocks, columns] float32 rounded to int8 a block at a time, scaled to the block's largest magnitude:
+    (the integers as int32, the block scales, the blocks' integer sums as floats). A NaN or inf in a block makes its
+    scale NaN (x * 0 is NaN there only): the output goes NaN as a float dot's would, rather than the rounding to
+    int8 silently dropping it. An all-zero block rounds to 0s."""
+    amax = tl.max(tl.abs(xb), axis=1)
+    xi = tl.floor(xb * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)
+    return xi, amax / 127.0 + tl.sum(xb * 0.0, axis=1), tl.sum(xi, axis=1).to(tl.float32)
+
+
+@triton.jit
 def _x_int8(xf, BLOCK_K: tl.constexpr):
     """x [BLOCK_K] float32 as int8 in blocks of X_BLOCK, scaled to each block's largest magnitude: (even-column
     bytes, odd-column bytes) packed four to an int32 to meet the low / high nibbles of a weight word, the block
     scales and the blocks' integer sums (as floats)."""
-    BLOCKS: tl.constexpr = BLOCK_K // X_BLOCK
-    xb = tl.reshape(xf, (BLOCKS, X_BLOCK))
-    amax = tl.max(tl.abs(xb), axis=1)
-    xi = tl.floor(xb * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)  # an all-zero block: 0s
+    xi, scale, sums = _int8_blocks(tl.reshape(xf, (BLOCK_K // X_BLOCK, X_BLOCK)))
     even, odd = tl.split(tl.reshape(xi, (BLOCK_K // 8, 4, 2)))
     shift = (tl.arange(0, 4) * 8)[None, :]  # disjoint bytes: the sums are ORs
-    # A NaN or inf in a block makes its scale NaN (x * 0 is NaN there only): the output goes NaN as a float dot's
-    # would, rather than the rounding to int8 silently dropping it.
-    scale = amax / 127.0 + tl.sum(xb * 0.0, axis=1)
-    return (tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), scale,
-            tl.sum(xi, axis=1).to(tl.float32))
+    return tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), scale, sums
 
 
 @triton.jit
@@ -1034,18 +1038,16 @@ def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_pt
 def _store_int8_groups(x, first, K, data_ptr, scale_ptr, sum_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """One row's Int8Rows at columns first .. first + BLOCK (first on a group boundary) of x (float32 [BLOCK], 0
     past K), row pointers given: each group rounded to int8 at its largest magnitude / 127, its even columns
-    stored before its odd ones (the order _int4_int8_step reads), its scale and the sum of its integers. A NaN or
-    inf makes the group's scale NaN, so the products go NaN as a float dot's would (see _x_int8)."""
-    groups = tl.reshape(x, (BLOCK // GROUP, GROUP))
-    amax = tl.max(tl.abs(groups), axis=1)
-    xi = tl.floor(groups * (127.0 / tl.maximum(amax, 1e-30))[:, None] + 0.5).to(tl.int32)
+    stored before its odd ones (the order _int4_int8_step reads), its scale and the sum of its integers
+    (_int8_blocks: the int4 GEMV's rounding)."""
+    xi, scale, sums = _int8_blocks(tl.reshape(x, (BLOCK // GROUP, GROUP)))
     cols = first + tl.arange(0, BLOCK)
     j = cols % GROUP
     tl.store(data_ptr + cols - j + (j % 2) * (GROUP // 2) + j // 2, tl.reshape(xi, (BLOCK,)).to(tl.int8),
              mask=cols < K)
     g = first // GROUP + tl.arange(0, BLOCK // GROUP)
-    tl.store(scale_ptr + g, amax / 127.0 + tl.sum(groups * 0.0, axis=1), mask=g * GROUP < K)
-    tl.store(sum_ptr + g, tl.sum(xi, axis=1).to(tl.float32), mask=g * GROUP < K)
+    tl.store(scale_ptr + g, scale, mask=g * GROUP < K)
+    tl.store(sum_ptr + g, sums, mask=g * GROUP < K)
 
 
 @triton.jit
@@ -1573,14 +1575,19 @@ class CudaKernels(ReferenceKernels):
     def add_rmsnorm_fp8(self, x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
         """rmsnorm(x (+ residual; None: x is the residual stream)) as per-token fp8-e4m3 rows, and the new
         residual: one pass where add_rmsnorm + fp8_quantize_rows take two."""
+        out = _empty_fp8_rows(x.shape[0], x.shape[1], x)
+        return out, self._quantized_norm(x, residual, weight, eps, out, FMAX=FP8_MAX["fp8-e4m3"])
+
+    def _quantized_norm(self, x, residual, weight, eps, out: Fp8Rows | Int8Rows, **quantized) -> torch.Tensor:
+        """rmsnorm(x (+ residual)) into out's data and scales (quantized: the kernel's FMAX, or INT8_GROUP and
+        sum_ptr), one pass; returns the new residual (x itself when residual is None)."""
         rows, k = x.shape
-        out = _empty_fp8_rows(rows, k, x)
         res_out = torch.empty_like(x) if residual is not None else x
         if rows:
             _rmsnorm_kernel[(rows,)](x, x if residual is None else residual, res_out, weight, x, k, eps,
                                      HAS_RES=residual is not None, BLOCK_K=_pow2(k), fp8_ptr=out.data,
-                                     scale_ptr=out.scale, FMAX=FP8_MAX["fp8-e4m3"], **self._pdl)
-        return out, res_out
+                                     scale_ptr=out.scale, **quantized, **self._pdl)
+        return res_out
 
     def silu_and_mul_fp8(self, x, grouped: bool = False) -> Fp8Rows:
         """silu_and_mul as fp8-e4m3 rows: per token (one program a row; rows of 4,096+ padded columns take 16
@@ -1598,14 +1605,8 @@ class CudaKernels(ReferenceKernels):
     def add_rmsnorm_int8(self, x, residual, weight, eps, group: int) -> tuple[Int8Rows, torch.Tensor]:
         """rmsnorm(x (+ residual; None: x is the residual stream)) as Int8Rows of group columns, and the new
         residual: one pass."""
-        rows, k = x.shape
-        out = _empty_int8_rows(rows, k, x, group)
-        res_out = torch.empty_like(x) if residual is not None else x
-        if rows:
-            _rmsnorm_kernel[(rows,)](x, x if residual is None else residual, res_out, weight, x, k, eps,
-                                     HAS_RES=residual is not None, BLOCK_K=_pow2(k), fp8_ptr=out.data,
-                                     scale_ptr=out.scale, sum_ptr=out.sums, INT8_GROUP=group, **self._pdl)
-        return out, res_out
+        out = _empty_int8_rows(x.shape[0], x.shape[1], x, group)
+        return out, self._quantized_norm(x, residual, weight, eps, out, sum_ptr=out.sums, INT8_GROUP=group)
 
     def silu_and_mul_int8(self, x, group: int) -> Int8Rows:
         """silu_and_mul as Int8Rows of group columns, on silu_and_mul's grid."""
@@ -1777,7 +1778,7 @@ class CudaKernels(ReferenceKernels):
         did. live: see gemv."""
         if isinstance(x, Fp8Rows):
             out = self.skinny_gemm(x, w) if self._skinny_fits(x, w) else self._fp8_linear(x, w)
-        elif isinstance(x, Int8Rows) or self._takes_int8_rows(x, w):
+        elif isinstance(x, Int8Rows):  # 16-bit x for such a weight: the skinny GEMM below rounds it itself
             out = self.skinny_gemm(x, w)
         elif self._gemv_route(x, w):
             out = self.gemv(x, w, live=live)
