@@ -135,13 +135,21 @@ def test_int4_fused_norm_gemv_with_silu(k, group_size):
     assert nmse(out, ref) < 1e-3
 
 
-def _int8_blocks_model(x: torch.Tensor, w) -> torch.Tensor:
-    """What the int4 GEMV computes, in float64: x rounded to int8 in blocks of X_BLOCK columns (scale: the block's
-    largest magnitude / 127), times the dequantized weight."""
-    blocks = x.double().reshape(x.shape[0], -1, kernels_module.X_BLOCK.value)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
-    xi = torch.floor(blocks / scale.clamp_min(1e-300) + 0.5)
-    return (xi * scale).reshape(x.shape) @ w.dequantize(torch.float64).T
+def _int8_rows_model(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x rounded to int8 a group of columns at a time, in float64 (scale: the group's largest magnitude / 127), as
+    (the integers in column order, scales, sums)."""
+    groups = x.double().reshape(x.shape[0], -1, group)
+    scale = groups.abs().amax(-1) / 127.0
+    xi = torch.floor(groups / scale.clamp_min(1e-300)[..., None] + 0.5)
+    return xi.reshape(x.shape), scale, xi.sum(-1)
+
+
+def _int8_blocks_model(x: torch.Tensor, w, block: int = kernels_module.X_BLOCK.value) -> torch.Tensor:
+    """What the int4 GEMV (blocks of X_BLOCK columns) or the W4A8 skinny GEMM (the weight's groups) computes, in
+    float64: x rounded to int8 a block at a time (_int8_rows_model), times the dequantized weight."""
+    xi, scale, _ = _int8_rows_model(x, block)
+    rounded = (xi.reshape(x.shape[0], -1, block) * scale[..., None]).reshape(x.shape)
+    return rounded @ w.dequantize(torch.float64).T
 
 
 @pytest.mark.parametrize("k,group_size", [(256, 32), (576, 32), (384, 128), (256, 64)])
@@ -873,15 +881,6 @@ def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(ki
     assert gemv_rows[-1] == 3 and all(torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i]) for i in range(3))
 
 
-def _int8_rows_model(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int8Rows in float64: each group of columns rounded to int8 at its largest magnitude / 127, as (the integers
-    in column order, scales, sums)."""
-    groups = x.double().reshape(x.shape[0], -1, group)
-    scale = groups.abs().amax(-1) / 127.0
-    xi = torch.floor(groups / scale.clamp_min(1e-300)[..., None] + 0.5)
-    return xi.reshape(x.shape), scale, xi.sum(-1)
-
-
 @pytest.fixture
 def large_int4(monkeypatch):
     """Int4 weights of 48 x 256 elements and up count as large (the layers of 1.7B+ models, scaled down)."""
@@ -915,11 +914,9 @@ def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, k, large_
     w = int4_quantize(torch.randn(48, k) * 0.1, group_size=group, symmetric=group == 64).to(DEV)
     x = rand(rows, k)
     assert CUDA._takes_int8_rows(x, w) and not CUDA._takes_int8_rows(x[:1], w)
-    xi, scale, _ = _int8_rows_model(x.cpu(), group)
-    model = (xi.reshape(rows, -1, group) * scale[..., None]).reshape(rows, k) @ w.dequantize(torch.float64).T.cpu()
     out = CUDA.linear(x, w)
-    assert nmse(out.cpu(), model) < 2e-5
-    assert nmse(out.cpu(), x.double().cpu() @ w.dequantize(torch.float64).T.cpu()) < 1e-3
+    assert nmse(out, _int8_blocks_model(x, w, group)) < 2e-5
+    assert nmse(out, x.double() @ w.dequantize(torch.float64).T) < 1e-3
 
 
 def test_int8_route_takes_large_int4_weights_of_64_column_groups_only(large_int4, gemv_rows):
