@@ -5,6 +5,8 @@
 Random Qwen3-0.6B-shaped weights (flashnext.core.cli_bench.random_model). Writes DIR/bench_cuda.json (every
 number) and prints a short table last. Ratios (graph vs eager, fp8 / int4 vs bf16, flashnext vs HF) come from
 rows measured in this same process; the batch-64 fp8 / bf16 ratio also as the median of three interleaved rounds.
+The random bf16 weights are built once on the GPU for every engine, so the peak memory of an int4 or fp8 row counts
+them too (`flashnext bench --shape` reports an engine's own).
 """
 
 import argparse

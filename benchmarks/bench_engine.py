@@ -118,7 +118,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_bench_model(args.model, args.shape, args.backend, seed=args.seed)
+    loaded = load_bench_model(args.model, args.shape, seed=args.seed)
     overrides = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile, **overrides)
     vocab = llm.engine.config.vocab_size

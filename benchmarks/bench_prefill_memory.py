@@ -92,7 +92,7 @@ def measure(args) -> dict:
     chunked = args.child == "chunked"
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_bench_model(args.model, args.shape, args.backend)
+    loaded = load_bench_model(args.model, args.shape)
     cfg = loaded.config
     # A KV cache just big enough for the prompt (fp32-sized), so the cache stays small next to activations.
     kv_bytes = (args.prompt_len + 64) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4

@@ -4,6 +4,8 @@ A decode step of a small model is bound by the latency of its ~200 kernels, a la
 weights; quantized weights speed up only the second. Random weights of each shape (the Qwen3 family's, and
 SmolLM2-135M's), one engine per (shape, precision), `bench_rows` at each batch size (default 1 and 4); decode
 tok/s, TTFT and peak memory, with each precision's decode rate over the first precision's at the same batch size.
+The random bf16 weights are built once on the device and stay there for every precision, so an int4 or fp8
+engine's peak memory includes them (`flashnext bench --shape` builds them on the CPU and reports the engine's own).
 
     python benchmarks/bench_shapes.py --backend cuda --json out.json
     python benchmarks/bench_shapes.py --backend cuda --shapes qwen3-8b --precisions bf16,int4
@@ -80,7 +82,8 @@ def main(argv=None):
     rows = []
     for shape in args.shapes:
         rows += shape_rows(shape, args, device)
-    table = Table(title=f"decode, {args.prompt_len} in / {args.gen_len} out a request, random weights")
+    table = Table(title=f"decode, {args.prompt_len} in / {args.gen_len} out a request, random weights",
+                  caption="peak MiB counts the random bf16 weights too, which every precision's engine is built from")
     ratio = f"decode_over_{args.precisions[0]}"
     for col in ("shape", "params (B)", "precision", "batch", "decode tok/s", f"/ {args.precisions[0]}", "TTFT ms",
                 "peak MiB"):

@@ -186,7 +186,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     methods = args.methods.split(",")
     if args.in_process or args.rows_to:
-        loaded = load_bench_model(args.model, args.shape, args.backend)
+        loaded = load_bench_model(args.model, args.shape)
         rows = [row for method in methods for row in bench_method(args, loaded, method)]
         if args.rows_to:
             with open(args.rows_to, "w") as f:

@@ -86,15 +86,17 @@ class Timing:
     wall_s: float
 
 
-def load_bench_model(model: str | None, shape: str | None, backend: str, seed: int = 0) -> LoadedModel:
-    """Random weights of `shape` on the backend's device, else the checkpoint `model` (None: the embedded one)."""
-    from . import registry
+def load_bench_model(model: str | None, shape: str | None, seed: int = 0) -> LoadedModel:
+    """Random weights of `shape`, else the checkpoint `model` (None: the embedded one). Random weights are built on
+    the CPU, as a checkpoint is read: the engine moves (or quantizes) what it keeps, so an accelerator holds only
+    the engine's weights and the reported peak memory is the engine's (built on the device, the bf16 originals of
+    int4 or fp8 weights would stay there beside them)."""
     from .loader import load_model
 
     if model and shape:
         raise UserError("give --model or --shape, not both")
     if shape:
-        return random_model(shape, registry.select(registry.discover(), backend).backend.device(), seed)
+        return random_model(shape, torch.device("cpu"), seed)
     return load_model(model)
 
 
@@ -204,7 +206,7 @@ def bench(
     from rich.table import Table
 
     sizes = parse_batch_sizes(batch_sizes)
-    loaded = load_bench_model(model, shape, backend)
+    loaded = load_bench_model(model, shape)
     rows = bench_rows(loaded, backend, precision, profile, sizes, prompt_len, gen_len)
     table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "peak MiB")
     for r in rows:
