@@ -201,9 +201,7 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
         raise UserError(
             f"{path}: architecture {named} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
         )
-    if raw.get("mlp_bias") or (arch == "llama" and raw.get("attention_bias")):
-        field = "mlp_bias" if raw.get("mlp_bias") else "attention_bias"
-        raise UserError(f"{path}: {field}=true is not supported; use a checkpoint without it")
+    _refuse_what_the_model_would_ignore(raw, arch, path)
 
     data: dict[str, Any] = {"architecture": arch}
     for hf_name, ours in _HF_FIELDS.items():
@@ -222,6 +220,10 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
     eos = data.get("eos_token_ids")
     if isinstance(eos, int):
         data["eos_token_ids"] = [eos]
+    if raw.get("use_sliding_window") and isinstance(raw.get("sliding_window"), int):
+        # Windowed layers attend to the last sliding_window keys only; up to that many tokens that is full attention.
+        data["max_position_embeddings"] = min(data.get("max_position_embeddings", raw["sliding_window"]),
+                                              raw["sliding_window"])
     data["qkv_bias"] = arch == "qwen2"
     data["qk_norm"] = arch == "qwen3"
     data.setdefault("tie_word_embeddings", False)
@@ -236,6 +238,18 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
             raise UserError(f"{path}: field '{field}' is missing; add it to config.json") from None
         got = err.get("input")
         raise UserError(f"{path}: field '{field}' = {got!r} is invalid ({err.get('msg')}); fix config.json") from None
+
+
+def _refuse_what_the_model_would_ignore(raw: dict, arch: str, path: Path) -> None:
+    """Config fields that change the computation where the decoder has no branch for them (it runs SwiGLU MLPs
+    without biases, and attention biases on q/k/v for Qwen2 only): refused rather than run wrongly."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{path}: hidden_act {act!r} is not supported (these architectures run silu); use a Llama, "
+                        "Qwen2 or Qwen3 checkpoint as published")
+    for field in ("mlp_bias",) if arch == "qwen2" else ("mlp_bias", "attention_bias"):
+        if raw.get(field):
+            raise UserError(f"{path}: {field} {raw[field]!r} is not supported; use a checkpoint without it")
 
 
 def _rope_scaling_from_hf(scaling: Any, path: Path) -> RopeScaling | None:

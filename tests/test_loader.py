@@ -253,6 +253,28 @@ def test_config_missing_field(tmp_path):
     assert "config.json" in msg and "intermediate_size" in msg
 
 
+@pytest.mark.parametrize("arch,field,value", [("llama", "hidden_act", "gelu"), ("qwen3", "hidden_act", "relu"),
+                                              ("qwen3", "attention_bias", True), ("llama", "attention_bias", True),
+                                              ("llama", "mlp_bias", True)])
+def test_config_the_model_would_not_run_as_written_is_refused(tmp_path, arch, field, value):
+    """Fields that change the computation where the model code has no branch for them: run anyway, the outputs would
+    be silently wrong (a gelu MLP run as SwiGLU, biases in the checkpoint left unused)."""
+    folder = write_tiny_hf_model(tmp_path, arch=arch)
+    _edit_config(folder, **{field: value})
+    msg = _err(folder)
+    assert "config.json" in msg and field in msg and repr(value) in msg
+
+
+@pytest.mark.parametrize("use,window,context", [(True, 128, 128), (False, 128, 512), (True, None, 512)])
+def test_sliding_window_caps_the_context_where_it_would_act(tmp_path, use, window, context):
+    """Qwen2/Qwen3 configs with use_sliding_window attend only to the last sliding_window keys on some layers; up to
+    that many tokens windowed and full attention agree, so the context stops there instead of running past it
+    wrongly."""
+    folder = write_tiny_hf_model(tmp_path, arch="qwen2")
+    _edit_config(folder, use_sliding_window=use, sliding_window=window)
+    assert load_model(str(folder)).config.max_position_embeddings == context
+
+
 @pytest.mark.parametrize("field,value", [("num_hidden_layers", -3), ("hidden_size", 10**9), ("rms_norm_eps", 5.0),
                                          ("vocab_size", "many")])
 def test_config_absurd_values(tmp_path, field, value):
@@ -348,9 +370,8 @@ def test_fp8_checkpoint_with_tensor_or_row_scales_keeps_its_bytes(tmp_path, scal
 
 
 def _edit_quantization_config(folder, **quant):
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {k: v for k, v in (cfg["quantization_config"] | quant).items() if v is not None}
-    (folder / "config.json").write_text(json.dumps(cfg))
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"] | quant
+    _edit_config(folder, quantization_config={k: v for k, v in quant.items() if v is not None})
 
 
 @pytest.mark.parametrize("quant,fragment", [
