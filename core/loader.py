@@ -358,20 +358,17 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
 # Scales an fp8 checkpoint may carry besides its weights' (static activation and KV-cache scales): the engine scales
 # activations per token as it runs and keeps its KV cache in its own dtype, so they are not needed.
 _FP8_STATIC_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_UNSUPPORTED_QUANT = ("use the unquantized checkpoint (--precision int4 or fp8-e4m3 quantizes it at load), a GGUF "
+                      "Q4_0 / Q4_1 file or an fp8 checkpoint")
 
 
 def _fp8_checkpoint_weights(weights: dict[str, Weight], quant: Any, config_path: Path) -> dict[str, Weight]:
-    """An fp8 checkpoint's float8 tensors with their scales (quant_method "fp8": Qwen3-*-FP8, DeepSeek-V3 style):
-    a multiplier per tensor or row (`X_scale`) gives an Fp8Weight of the stored bytes, one per block of
-    weight_block_size (`X_scale_inv`) is expanded to bf16, as no per-row fp8 weight holds it exactly. Other
-    quantization methods are refused by name: read as plain tensors they would run without their scales."""
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        if method != "fp8":
-            raise UserError(f"{config_path}: quantization_config.quant_method {method!r} is not supported; use the "
-                            "unquantized checkpoint (--precision int4 or fp8-e4m3 quantizes it at load), a GGUF Q4_0 / "
-                            "Q4_1 file or an fp8 checkpoint")
-    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    """An fp8 checkpoint's float8 tensors with their scales (quant_method "fp8" as Qwen3-*-FP8 and DeepSeek-V3
+    publish them, or "compressed-tensors" float-quantized as llm-compressor writes FP8-dynamic models): a multiplier
+    per tensor or row gives an Fp8Weight of the stored bytes; one per block is expanded to bf16, as no per-row fp8
+    weight holds it exactly. Other quantization is refused by name: read as plain tensors it would run without its
+    scales."""
+    block = _fp8_block(quant, config_path)
     out: dict[str, Weight] = {}
     for name, t in weights.items():
         taken_with_its_weight = name.endswith(("_scale", "_scale_inv")) and name.rsplit("_scale", 1)[0] in weights
@@ -383,23 +380,70 @@ def _fp8_checkpoint_weights(weights: dict[str, Weight], quant: Any, config_path:
     return out
 
 
-def _fp8_checkpoint_weight(name: str, data: torch.Tensor, weights: dict, block: Any, config_path: Path) -> Weight:
-    if name + "_scale_inv" in weights:
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise UserError(f"{config_path}: {name}_scale_inv holds block scales but "
-                            f"quantization_config.weight_block_size is {block!r}; set it to the checkpoint's block, "
-                            "e.g. [128, 128]")
-        return fp8_block_dequantize(data, weights[name + "_scale_inv"], tuple(block), name).to(torch.bfloat16)
-    scale = weights.get(name + "_scale")
-    if scale is None:
+def _fp8_block(quant: Any, config_path: Path) -> tuple[int, int] | None:
+    """The (rows, columns) block of a block-scaled fp8 checkpoint's quantization_config, None where its scales are
+    per tensor or row (or it has none); UserError for quantization other than 8-bit float weights."""
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        return None if block is None else _block_size(block, "weight_block_size", config_path)
+    if method != "compressed-tensors":
+        raise UserError(f"{config_path}: quantization_config.quant_method {method!r} is not supported; "
+                        f"{_UNSUPPORTED_QUANT}")
+    if quant.get("format") != "float-quantized":
+        raise UserError(f"{config_path}: quantization_config.format {quant.get('format')!r} is not supported (only "
+                        f"'float-quantized': fp8 weights); {_UNSUPPORTED_QUANT}")
+    blocks = set()
+    groups = quant.get("config_groups") if isinstance(quant.get("config_groups"), dict) else {}
+    for group, args in groups.items():
+        w = args.get("weights") if isinstance(args, dict) else None
+        field = f"quantization_config.config_groups.{group}.weights"
+        if not isinstance(w, dict) or (w.get("type"), w.get("num_bits")) != ("float", 8):
+            raise UserError(f"{config_path}: {field} is not 8-bit float weights; {_UNSUPPORTED_QUANT}")
+        if w.get("strategy") == "block":
+            blocks.add(_block_size(w.get("block_structure"), f"{field}.block_structure", config_path))
+        elif w.get("strategy") not in ("tensor", "channel"):
+            raise UserError(f"{config_path}: {field}.strategy {w.get('strategy')!r} is not supported (tensor, "
+                            f"channel or block); {_UNSUPPORTED_QUANT}")
+    if len(blocks) > 1:
+        raise UserError(f"{config_path}: quantization_config.config_groups use blocks {sorted(blocks)}; one block "
+                        "size for all weights is supported")
+    return blocks.pop() if blocks else None
+
+
+def _block_size(block: Any, field: str, config_path: Path) -> tuple[int, int]:
+    if isinstance(block, str) and "x" in block:  # compressed-tensors' older spelling, "128x128"
+        block = block.split("x")
+    try:
+        rows, cols = (int(b) for b in block)
+    except (TypeError, ValueError):
+        rows = cols = 0
+    if rows <= 0 or cols <= 0:
+        raise UserError(f"{config_path}: quantization_config {field} is {block!r}; set it to the checkpoint's "
+                        "block, e.g. [128, 128]")
+    return rows, cols
+
+
+def _fp8_checkpoint_weight(name: str, data: torch.Tensor, weights: dict, block: tuple[int, int] | None,
+                           config_path: Path) -> Weight:
+    scale_name = name + "_scale_inv" if name + "_scale_inv" in weights else name + "_scale"
+    if scale_name not in weights:
         raise UserError(f"{config_path.parent}: {name} is float8 but the checkpoint has no {name}_scale or "
                         f"{name}_scale_inv; it is incomplete, re-download it")
+    multipliers = weights[scale_name]
+    if block is not None or scale_name.endswith("_inv"):
+        if block is None:
+            raise UserError(f"{config_path}: {scale_name} holds block scales but quantization_config has no "
+                            "weight_block_size; set it to the checkpoint's block, e.g. [128, 128]")
+        return fp8_block_dequantize(data, multipliers, block, f"{config_path.parent}: {scale_name}").to(torch.bfloat16)
     rows = data.shape[0]
-    if scale.numel() not in (1, rows):
-        raise UserError(f"{config_path.parent}: {name}_scale has {scale.numel()} values, a float8 weight of {rows} "
-                        f"rows needs 1 or {rows}; re-download the model")
+    if multipliers.numel() not in (1, rows):
+        raise UserError(f"{config_path.parent}: {scale_name} has {multipliers.numel()} values, a float8 weight of "
+                        f"{rows} rows needs 1 or {rows}; re-download the model")
     # One scale a row even where the checkpoint has one a tensor: the fused and skinny fp8 kernels take rows.
-    return Fp8Weight(data, scale.float().reshape(-1, 1).expand(rows, 1).contiguous())
+    return Fp8Weight(data, multipliers.float().reshape(-1, 1).expand(rows, 1).contiguous())
 
 
 # ---------------------------------------------------------------------------------------------------------------

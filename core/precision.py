@@ -239,16 +239,17 @@ def fp8_quantize(w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = Tru
 
 
 def fp8_block_dequantize(data: torch.Tensor, multipliers: torch.Tensor, block: tuple[int, int],
-                         name: str = "weight") -> torch.Tensor:
+                         name: str = "weight_scale") -> torch.Tensor:
     """float32 values of a float8 [N, K] weight stored with one multiplier per block of block = (rows, columns), as
-    DeepSeek-V3's and Qwen3's fp8 checkpoints store them (`weight_scale_inv`, [ceil(N / rows), ceil(K / columns)])."""
+    DeepSeek-V3's and Qwen3's fp8 checkpoints store them (`weight_scale_inv`, [ceil(N / rows), ceil(K / columns)]);
+    name: the multipliers' tensor, for errors."""
     n, k = data.shape
     rows, cols = block
     want = (-(-n // rows), -(-k // cols))
     if tuple(multipliers.shape) != want:
-        raise UserError(f"{name}_scale_inv has shape {list(multipliers.shape)} but a {[n, k]} weight in blocks of "
-                        f"{rows} x {cols} needs {list(want)}; config.json's weight_block_size does not match the "
-                        "checkpoint, fix it or re-download the model")
+        raise UserError(f"{name} has shape {list(multipliers.shape)} but a {[n, k]} weight in blocks of {rows} x "
+                        f"{cols} needs {list(want)}; config.json's block size does not match the checkpoint, fix it "
+                        "or re-download the model")
     per_element = multipliers.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
     return data.float() * per_element
 

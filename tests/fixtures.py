@@ -194,42 +194,59 @@ def write_tiny_hf_model(
     return out
 
 
-def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block=(32, 48), **kwargs) -> dict:
-    """write_tiny_hf_model, then its projections stored as an fp8 checkpoint in the format Qwen3-*-FP8 and
-    DeepSeek-V3 publish (config.json quantization_config.quant_method "fp8"): float8_e4m3fn weights with float32
-    multipliers, `weight_scale_inv` one per block of weight_block_size (scales="block"), or `weight_scale` one per
-    tensor (a 0-d tensor, with a static `input_scale` beside it, as AutoFP8 writes) or one per row ([N, 1]).
+def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block=(32, 48),
+                            method: str = "fp8", **kwargs) -> dict:
+    """write_tiny_hf_model, then its projections stored as an fp8 checkpoint in a published format.
+
+    method "fp8" (Qwen3-*-FP8, DeepSeek-V3; quantization_config.quant_method "fp8"): float32 multipliers,
+    `weight_scale_inv` one per block of weight_block_size (scales="block"), or `weight_scale` one per tensor (a 0-d
+    tensor, with a static `input_scale` beside it, as AutoFP8 writes) or per row ([N, 1]).
+    method "compressed-tensors" (llm-compressor's FP8 models, format "float-quantized"): bf16 `weight_scale`, [1]
+    per tensor, [N, 1] per channel or one per block of block_structure.
     Returns each projection's dequantized float32 values (what the checkpoint means)."""
     from safetensors.torch import load_file, save_file
 
     folder = write_tiny_hf_model(dir, **kwargs)
     weights = load_file(str(folder / "model.safetensors"))
+    compressed = method == "compressed-tensors"
     meant = {}
     for name in [n for n in weights if n.endswith("_proj.weight")]:
         w = weights[name].float()
         n, k = w.shape
         if scales == "block":
             rows, cols = block
-            blocks = w.new_zeros(-(-n // rows), -(-k // cols))
-            for i in range(blocks.shape[0]):
-                for j in range(blocks.shape[1]):
-                    blocks[i, j] = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].abs().max() / 448
-            multiplier = blocks.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
-            weights[name + "_scale_inv"] = blocks
+            stored = w.new_zeros(-(-n // rows), -(-k // cols))
+            for i in range(stored.shape[0]):
+                for j in range(stored.shape[1]):
+                    stored[i, j] = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].abs().max() / 448
         else:
-            stored = w.abs().max().reshape(()) if scales == "tensor" else w.abs().amax(1, keepdim=True)
-            multiplier = stored / 448
-            weights[name + "_scale"] = multiplier
-            if scales == "tensor":
-                weights[name.replace(".weight", ".input_scale")] = torch.tensor(0.02)
+            stored = (w.abs().max().reshape(1 if compressed else ()) if scales == "tensor"
+                      else w.abs().amax(1, keepdim=True)) / 448
+        stored = stored.to(torch.bfloat16) if compressed else stored
+        multiplier = stored.float()
+        if scales == "block":
+            multiplier = multiplier.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        weights[name + ("_scale_inv" if scales == "block" and not compressed else "_scale")] = stored
+        if scales == "tensor" and not compressed:
+            weights[name.replace(".weight", ".input_scale")] = torch.tensor(0.02)
         weights[name] = (w / multiplier).to(torch.float8_e4m3fn)
         meant[name] = weights[name].float() * multiplier
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "static" if scales == "tensor" else "dynamic"}
-    if scales == "block":
-        cfg["quantization_config"]["weight_block_size"] = list(block)
+    if compressed:
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                "strategy": {"tensor": "tensor", "row": "channel", "block": "block"}[scales],
+                "block_structure": list(block) if scales == "block" else None}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": {
+                "targets": ["Linear"], "weights": args,
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    else:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "static" if scales == "tensor" else "dynamic"}
+        if scales == "block":
+            cfg["quantization_config"]["weight_block_size"] = list(block)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return meant
 

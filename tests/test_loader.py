@@ -376,8 +376,9 @@ def _edit_quantization_config(folder, **quant):
 
 @pytest.mark.parametrize("quant,fragment", [
     ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' is not supported"),
-    ({"weight_block_size": [64, 64]}, "weight_block_size does not match"),
-    ({"weight_block_size": None}, "weight_block_size is None"),
+    ({"weight_block_size": [64, 64]}, "in blocks of 64 x 64 needs [1, 2]; config.json's block size does not match"),
+    ({"weight_block_size": None}, "holds block scales but quantization_config has no weight_block_size"),
+    ({"weight_block_size": "big"}, "weight_block_size is 'big'"),
 ])
 def test_fp8_checkpoint_config_errors_name_the_field(tmp_path, quant, fragment):
     write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="block")
@@ -385,6 +386,34 @@ def test_fp8_checkpoint_config_errors_name_the_field(tmp_path, quant, fragment):
     with pytest.raises(UserError, match=re.escape(fragment)) as err:
         load_model(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("scales", ["tensor", "row", "block"])
+def test_compressed_tensors_fp8_checkpoint_loads_as_its_values(tmp_path, scales):
+    """llm-compressor's FP8 format (quant_method "compressed-tensors", float-quantized, bf16 weight_scale): tensor and
+    channel scales keep the stored bytes as Fp8Weight, block scales are expanded to bf16; either way the values are
+    the float8 numbers times their multipliers."""
+    meant = write_tiny_fp8_hf_model(tmp_path, arch="qwen3", scales=scales, method="compressed-tensors")
+    m = load_model(str(tmp_path))
+    assert not any(name.endswith("_scale") for name in m.weights)
+    for name, values in meant.items():
+        w = m.weights[name]
+        assert isinstance(w, Fp8Weight) == (scales != "block")
+        assert torch.equal(_dense(w), values) if scales != "block" else torch.equal(w, values.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized' is not supported"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+     "quantization_config.config_groups.g.weights is not 8-bit float weights"),
+    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}},
+     "config_groups.g.weights.strategy 'group' is not supported"),
+])
+def test_compressed_tensors_other_than_fp8_weights_is_refused_by_field(tmp_path, edit, fragment):
+    write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="row", method="compressed-tensors")
+    _edit_quantization_config(tmp_path, **edit)
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        load_model(str(tmp_path))
 
 
 def test_fp8_weight_without_its_scale_is_refused_by_name(tmp_path):
