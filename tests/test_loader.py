@@ -332,21 +332,40 @@ def _greedy_tokens(model, max_tokens=12):
     return [c.token_ids for c in llm.generate(["hello world", "the cat"], SamplingParams(max_tokens=max_tokens))]
 
 
-def test_fp8_checkpoint_with_block_scales_runs_as_its_dequantized_values(tmp_path):
+def test_fp8_checkpoint_with_block_scales_keeps_its_bytes_and_runs_as_its_values(tmp_path):
     """Qwen3-*-FP8 / DeepSeek-V3 layout (weight_scale_inv per block, partial blocks at the edges): each projection
-    loads as its float8 values times its block's multiplier (in bf16), so the model generates what a bf16 checkpoint
-    of those values generates. Read as plain tensors (before), the scales were silently ignored."""
+    loads as an Fp8Weight of the stored bytes and block multipliers, so the model generates what a float32
+    checkpoint of those values generates. Read as plain tensors (before), the scales were silently ignored."""
     from safetensors.torch import load_file, save_file
 
     meant = write_tiny_fp8_hf_model(tmp_path / "fp8", arch="qwen3", scales="block", block=(32, 48))
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     m = load_model(str(tmp_path / "fp8"))
     assert not any(name.endswith(("_scale", "_scale_inv")) for name in m.weights)
     for name, values in meant.items():
-        assert m.weights[name].dtype == torch.bfloat16 and torch.equal(m.weights[name], values.to(torch.bfloat16))
-    plain = write_tiny_hf_model(tmp_path / "bf16", arch="qwen3")
-    weights = load_file(str(plain / "model.safetensors")) | {n: v.to(torch.bfloat16) for n, v in meant.items()}
-    save_file(weights, str(plain / "model.safetensors"))
+        w = m.weights[name]
+        assert isinstance(w, Fp8Weight) and w.block == (32, 48)
+        assert torch.equal(w.data.view(torch.uint8), stored[name].view(torch.uint8))
+        assert torch.equal(w.dequantize(), values)
+        assert torch.equal(PRECISIONS["bf16"].quantize(w), values.to(torch.bfloat16))
+    plain = write_tiny_hf_model(tmp_path / "fp32", arch="qwen3")
+    save_file(load_file(str(plain / "model.safetensors")) | meant, str(plain / "model.safetensors"))
     assert _greedy_tokens(m) == _greedy_tokens(load_model(str(plain)))
+
+
+def test_fp8_precision_rounds_block_scales_to_a_scale_a_row(tmp_path):
+    """The fp8 kernels take a scale a row: --precision fp8-e4m3 rounds a block-scaled weight again, to its values'
+    nearest fp8 numbers under one scale a row; per-row weights of the checkpoint itself stay as they are."""
+    meant = write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="block", block=(32, 48))
+    m = load_model(str(tmp_path))
+    for name, values in meant.items():
+        per_row = PRECISIONS["fp8-e4m3"].quantize(m.weights[name])
+        assert per_row.block is None and per_row.scale.shape == (values.shape[0], 1)
+        error = (per_row.dequantize() - values).abs()
+        # e4m3 keeps 3 mantissa bits: a value moves by at most half a step, 1/16 of its magnitude, or half the
+        # smallest subnormal step of its row's scale.
+        assert torch.all(error <= values.abs() / 16 + per_row.scale * 2.0 ** -10)
+        assert error.max() > 0
 
 
 @pytest.mark.parametrize("scales", ["tensor", "row"])
@@ -390,16 +409,16 @@ def test_fp8_checkpoint_config_errors_name_the_field(tmp_path, quant, fragment):
 
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
 def test_compressed_tensors_fp8_checkpoint_loads_as_its_values(tmp_path, scales):
-    """llm-compressor's FP8 format (quant_method "compressed-tensors", float-quantized, bf16 weight_scale): tensor and
-    channel scales keep the stored bytes as Fp8Weight, block scales are expanded to bf16; either way the values are
-    the float8 numbers times their multipliers."""
+    """llm-compressor's FP8 format (quant_method "compressed-tensors", float-quantized, bf16 weight_scale): tensor,
+    channel and block scales keep the stored bytes as Fp8Weight; the values are the float8 numbers times their
+    multipliers."""
     meant = write_tiny_fp8_hf_model(tmp_path, arch="qwen3", scales=scales, method="compressed-tensors")
     m = load_model(str(tmp_path))
     assert not any(name.endswith("_scale") for name in m.weights)
     for name, values in meant.items():
         w = m.weights[name]
-        assert isinstance(w, Fp8Weight) == (scales != "block")
-        assert torch.equal(_dense(w), values) if scales != "block" else torch.equal(w, values.to(torch.bfloat16))
+        assert isinstance(w, Fp8Weight) and (w.block is not None) == (scales == "block")
+        assert torch.equal(w.dequantize(), values)
 
 
 @pytest.mark.parametrize("edit,fragment", [

@@ -137,6 +137,27 @@ def test_fp8_per_token_activation_quant():
     assert torch.all(err <= 2.0**-4 * scale * 448.0 + 1e-6)
 
 
+def test_fp8_block_scaled_weight_layout():
+    """One multiplier per block of (rows, columns), partial blocks at the edges: values are each byte times its
+    block's multiplier; a misshapen scale names the expected shape; rows cannot be picked out of blocks."""
+    data = (torch.randn(5, 7, generator=gen()) * 100).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 8.0]])
+    w = Fp8Weight(data, scale, block=(3, 3))
+    expected = data.float().clone()
+    for i in range(5):
+        for j in range(7):
+            expected[i, j] *= scale[i // 3, j // 3]
+    assert torch.equal(w.dequantize(), expected) and not w.per_channel
+    assert w.to("cpu").block == (3, 3)
+    with pytest.raises(UserError, match=r"expected \(2, 3\)"):
+        Fp8Weight(data, scale[:, :2], block=(3, 3))
+    with pytest.raises(UserError, match="quantize it per row first"):
+        w.select_rows(torch.tensor([0]))
+    per_row = get_precision("fp8-e4m3").quantize(w)
+    assert per_row.block is None and per_row.per_channel
+    assert torch.allclose(per_row.dequantize(), expected, rtol=1 / 16, atol=float(per_row.scale.max()) * 2.0 ** -9)
+
+
 def test_fp8_bad_format():
     with pytest.raises(UserError, match="fp8-e4m3"):
         fp8_quantize(torch.ones(2, 2), "fp8-e3m4")

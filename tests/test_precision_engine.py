@@ -97,6 +97,27 @@ def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can
     assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False, False]
 
 
+@pytest.mark.parametrize("capability,stored,expected", [
+    ((9, 0), "fp8-e4m3", "fp8-e4m3"), ((8, 9), "fp8-e4m3", "fp8-e4m3"), ((8, 6), "fp8-e4m3", "bf16"),
+    ((9, 0), "fp8-e5m2", "bf16"), ((9, 0), "bf16", "bf16"),
+])
+def test_cuda_runs_an_fp8_checkpoint_in_fp8_where_the_gpu_has_fp8_tensor_cores(monkeypatch, capability, stored,
+                                                                               expected):
+    """An e4m3 checkpoint keeps its bytes (half bf16's memory) on Ada / Hopper and later; older GPUs, whose
+    fp8-e4m3 request is refused naming the GPU, run it as bf16 values."""
+    import flashnext.plugins.cuda as cuda_plugin
+    from flashnext.core.errors import UserError
+    from flashnext.core.precision import PRECISIONS
+
+    monkeypatch.setattr(cuda_plugin, "_capability", lambda: (*capability, "Test GPU"))
+    weight = PRECISIONS[stored].quantize(torch.randn(32, 64))
+    backend = cuda_plugin.CudaBackend()
+    assert backend.preferred_precision({"model.layers.0.mlp.down_proj.weight": weight}) == expected
+    if capability < (8, 9):
+        with pytest.raises(UserError, match=r"Test GPU is 8\.6: use --precision bf16"):
+            backend.check_request("fp8-e4m3", backend.profiles()["basic"])
+
+
 def test_cuda_probe_gives_a_reason():
     probe = cuda_probe()
     if torch.cuda.is_available():

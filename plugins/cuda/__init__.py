@@ -5,9 +5,10 @@ import torch
 from flashnext.core.backend import Backend, Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
+from flashnext.core.precision import Fp8Weight
 from flashnext.core.profile import Profile
 
-FP8_CAPABILITIES = ((8, 9), (9, 0))
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper on: FP8 tensor cores, which torch._scaled_mm needs
 
 
 def cuda_probe() -> Probe:
@@ -25,7 +26,7 @@ def cuda_probe() -> Probe:
         "compute_capability": f"{props.major}.{props.minor}",
         "memory_total_bytes": props.total_memory,
         "multiprocessors": props.multi_processor_count,
-        "fp8": capability >= (8, 9),
+        "fp8": capability >= FP8_CAPABILITY,
         "device_count": torch.cuda.device_count(),
     }
     return Probe(True, 100.0, f"{props.name} (compute capability {props.major}.{props.minor})", facts)
@@ -79,14 +80,18 @@ class CudaBackend(Backend):
 
         return CudaGraphRunner.for_profile(profile)
 
+    def preferred_precision(self, weights: dict) -> str:
+        """An fp8 checkpoint's precision where the GPU has FP8 tensor cores: its own bytes at half bf16's memory
+        (block scales are rounded to a scale a row, Precision.quantize); bf16 elsewhere and for other weights."""
+        stored_fp8 = any(isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3" for w in weights.values())
+        return "fp8-e4m3" if stored_fp8 and _capability()[:2] >= FP8_CAPABILITY else self.default_precision
+
     def check_request(self, precision: str, profile: Profile):
         chosen = super().check_request(precision, profile)
-        if precision == "fp8-e4m3":
-            props = torch.cuda.get_device_properties(0)
-            if (props.major, props.minor) < (8, 9):
-                raise UserError(
-                    f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {props.name} is"
-                    f" {props.major}.{props.minor}: use --precision bf16 or int4")
+        if precision == "fp8-e4m3" and _capability()[:2] < FP8_CAPABILITY:
+            major, minor, name = _capability()
+            raise UserError(f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {name} is"
+                            f" {major}.{minor}: use --precision bf16 or int4")
         return chosen
 
     def free_memory_bytes(self) -> int:
@@ -101,6 +106,11 @@ class CudaBackend(Backend):
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+
+
+def _capability() -> tuple[int, int, str]:
+    props = torch.cuda.get_device_properties(0)
+    return props.major, props.minor, props.name
 
 
 @hookimpl
