@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -45,3 +46,14 @@ def test_bench_shapes_are_built_on_the_cpu_as_a_checkpoint_is_read(monkeypatch):
     assert {w.device.type for w in loaded.weights.values()} == {"cpu"}
     again = load_bench_model(None, "tiny-bench", seed=3).weights
     assert all(torch.equal(w, again[name]) for name, w in loaded.weights.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_memory_counts_the_captures_after_a_prefill_left_the_cache_full():
+    """The bench's captures follow prefills whose freed activations torch keeps cached; the capture memory the
+    rows and the metric report is still the graphs' pool, not 0."""
+    loaded = load_bench_model(None, "qwen3-0.6b", seed=0)
+    rows = bench_rows(loaded, "cuda", "bf16", "full", [1, 8], prompt_len=256, gen_len=8)
+    assert [r["graph_captures"] for r in rows] == [1, 2]
+    assert 0 < rows[0]["graph_memory_bytes"] < rows[1]["graph_memory_bytes"] < 1 << 30

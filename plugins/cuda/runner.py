@@ -380,6 +380,9 @@ class CudaGraphRunner(ModelRunner):
             kernels.large_gemv_rows = LARGE_GEMV_MAX_ROWS
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
+        # torch.cuda.graph empties the allocator's cache before it captures: read what is reserved after that
+        # too, or a cache of freed prefill blocks hides the pool's growth (Qwen3-0.6B's captures read as 0 bytes).
+        torch.cuda.empty_cache()
         reserved, started = torch.cuda.memory_reserved(self.device), time.perf_counter()
         with self.graph_settings(key[0], query_rows):
             # Warm up on a side stream (Triton compiles there), then capture; both leave only the static
