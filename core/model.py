@@ -126,7 +126,9 @@ class _WeightTaker:
         return torch.cat([self.dense(n) for n in names])
 
     def linear(self, names: list[str]) -> Weight:
-        parts = [self.precision.quantize(self._get(n)) for n in names]
+        # Converted where they will live: an accelerator rounds a projection to int4 or fp8 far faster than the host
+        # (the parts' originals are transient there, one projection at a time).
+        parts = [self.precision.quantize(self._get(n).to(self.device)) for n in names]
         merged = concat_rows(parts) if len(parts) > 1 else parts[0]
         validate_weight(names[0], merged)
         if isinstance(merged, torch.Tensor):

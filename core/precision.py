@@ -104,6 +104,12 @@ def _check_group_size(w: torch.Tensor, group_size: int) -> None:
         )
 
 
+def _divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device. CUDA divides by a host scalar as a multiply by its
+    reciprocal, off by a bit now and then: weights quantized at load on the GPU would differ from the CPU's."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def int4_quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True) -> Int4Weight:
     """Round-to-nearest per group; worst-case error is half a step (scale/2)."""
     if w.dim() != 2:
@@ -114,11 +120,11 @@ def int4_quantize(w: torch.Tensor, group_size: int = 128, symmetric: bool = True
     if symmetric:
         # amax/7 rather than /8: +amax and -amax both stay inside q-8 in -7..7, so nothing clips beyond scale/2.
         amax = g.abs().amax(dim=-1)
-        scales = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+        scales = torch.where(amax > 0, _divide(amax, 7.0), torch.ones_like(amax))
         offsets = -8.0 * scales
     else:
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scales = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi))
+        scales = torch.where(hi > lo, _divide(hi - lo, 15.0), torch.ones_like(hi))
         offsets = lo
     q = torch.round((g - offsets.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
     return Int4Weight(pack_int4(q.reshape(n, k)), scales.contiguous(), offsets.contiguous(), group_size)
@@ -235,7 +241,7 @@ def _fp8_format(fmt: str) -> str:
 def _fp8_cast(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale so amax lands on the format maximum, then saturate, so finite input never becomes inf/NaN."""
     fmax = FP8_MAX[fmt]
-    scale = amax / fmax
+    scale = _divide(amax, fmax)
     # A tiny amax can underflow amax/fmax to 0; the smallest subnormal keeps x/scale finite and <= fmax.
     scale = torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal * 2.0**-23)
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
