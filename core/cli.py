@@ -3,11 +3,13 @@
 import functools
 import json
 import os
+import re
 import sys
 import time
 import traceback
 from typing import Annotated, Optional
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -40,10 +42,22 @@ def friendly_errors(command):
             _fail("interrupted", 130)
         except typer.Exit:
             raise
-        except Exception as exc:  # a bug of ours: still one line, the detail behind --debug
-            _fail(f"internal error: {exc!r} (rerun with --debug for the traceback)", 1)
+        except Exception as exc:  # a bug of ours, or the device out of memory: still one line, --debug for more
+            _fail(_out_of_memory(exc) or f"internal error: {exc!r} (rerun with --debug for the traceback)", 1)
 
     return wrapper
+
+
+def _out_of_memory(exc: Exception) -> str | None:
+    """What to lower when the device ran out of memory past the weights check (the KV cache, a capture, a large
+    prefill): torch's allocator raises OutOfMemoryError, the driver a plain "CUDA error: out of memory" (a stream
+    or graph on a nearly full device)."""
+    if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
+        return None
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", str(exc))
+    detail = f" allocating {asked.group(1)}" if asked else ""
+    return (f"out of device memory{detail}; lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
+            "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision")
 
 
 def _fail(message: str, code: int):

@@ -136,6 +136,22 @@ class _WeightTaker:
         return merged.to(self.device)
 
 
+def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Precision,
+                 dense_dtype: torch.dtype) -> int:
+    """At least the device bytes of the weights DecoderModel keeps: projections in `precision`, the rest (norms,
+    embeddings, an LM head) in dense_dtype."""
+    total = 0
+    for name, w in weights.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and int(layer) >= config.num_layers:
+            continue  # an MTP module's layers: its drafter loads them apart
+        if name.endswith("_proj.weight"):
+            total += precision.stored_bytes(*w.shape)
+        else:
+            total += math.prod(w.shape) * dense_dtype.itemsize
+    return total
+
+
 def rope_cache(config: ModelConfig, device) -> torch.Tensor:
     """[max_pos, head_dim] table: cos in the first half, sin in the second."""
     dim = config.head_dim

@@ -391,6 +391,15 @@ class Precision:
     def dequantize(self, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(w, dtype)
 
+    def stored_bytes(self, rows: int, cols: int) -> int:
+        """At least the bytes a [rows, cols] projection takes in this precision: int4 nibbles with a float32 scale
+        and offset a group of 128 (smaller groups take more), fp8 bytes with a float32 scale a row."""
+        if self.name == "int4":
+            return rows * cols // 2 + rows * -(-cols // 128) * 8
+        if self.name in FP8_MAX:
+            return rows * cols + rows * 4
+        return rows * cols * self.storage_dtype.itemsize
+
 
 PRECISIONS: dict[str, Precision] = {
     p.name: p

@@ -80,6 +80,31 @@ def test_run_takes_one_time_warm_up_out_of_ttft_and_decode_speed(tiny_llama, mon
     assert decode_s < 0.2 and timing["ttft_s"] < 0.2  # the warm-up's 0.3 s is in neither
 
 
+@pytest.mark.parametrize("raised,said", [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
+     "out of device memory allocating 2.00 GiB;"),
+    ("RuntimeError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'", "out of device memory;"),
+])
+def test_running_out_of_device_memory_is_one_line_with_the_settings_to_lower(tiny_llama, monkeypatch, raised, said):
+    """Out of memory past the weights check (KV cache, a capture, a big prefill; from torch's allocator or, as a
+    stream on a nearly full H200 did, the driver) is a runtime failure (exit 1) in one line naming what to lower,
+    not an "internal error"."""
+    import torch
+
+    from flashnext.core.engine.runner import ModelRunner
+
+    kind, text = raised.split(": ", 1)
+
+    def run(self, batch):
+        raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(text)
+
+    monkeypatch.setattr(ModelRunner, "run", run)
+    result = invoke("run", "hello", "--model", str(tiny_llama), "--backend", "cpu")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"error: {said} lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
+                                     "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision")
+
+
 def test_run_reads_prompt_from_stdin_and_is_deterministic(tiny_llama):
     args = ["run", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6", "--json"]
     a = json.loads(invoke(*args, input="the quick brown fox").stdout)

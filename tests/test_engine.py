@@ -270,6 +270,74 @@ def test_kv_budget_leaves_room_for_the_warm_up_peak(tiny_llama):
     assert plain.blocks.num_blocks > measured.blocks.num_blocks
 
 
+def _weights_bytes(model) -> int:
+    tensors = [model.embed, model.norm] + ([] if model.lm_head is model.embed else [model.lm_head])
+    for layer in model.layers:
+        tensors += [getattr(layer, f) for f in ("input_norm", "q_norm", "k_norm", "post_norm", "qkv_bias")]
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            tensors += [w] if isinstance(w, torch.Tensor) else list(vars(w).values())
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-e4m3", "int4"])
+def test_weight_bytes_is_what_the_model_keeps(precision):
+    """The up-front memory check's count: at least what the built model holds, and close to it."""
+    from flashnext.core.cli_bench import random_model_of
+    from flashnext.core.config import ModelConfig
+    from flashnext.core.kernels import ReferenceKernels
+    from flashnext.core.model import DecoderModel, weight_bytes
+    from flashnext.core.precision import PRECISIONS
+
+    cfg = ModelConfig(architecture="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True,
+                      qk_norm=True)
+    loaded = random_model_of(cfg, "mid", torch.device("cpu"))
+    p = PRECISIONS[precision]
+    model = DecoderModel(cfg, loaded.weights, ReferenceKernels(), p, torch.device("cpu"), torch.bfloat16)
+    estimate, kept = weight_bytes(cfg, loaded.weights, p, torch.bfloat16), _weights_bytes(model)
+    assert estimate <= kept <= estimate * 1.01
+
+
+def test_weights_past_an_accelerators_free_memory_are_refused_with_the_precisions_that_fit(tiny_llama):
+    """Before anything moves: one line naming the model, its size in the asked precision, what is free, and the
+    smaller precisions that would fit (or a smaller model when none does), exit code 2."""
+    from flashnext.core.errors import UserError
+    from flashnext.core.model import weight_bytes
+    from flashnext.core.precision import PRECISIONS
+
+    loaded = load_model(str(tiny_llama))
+
+    def need(name):
+        return weight_bytes(loaded.config, loaded.weights, PRECISIONS[name], torch.bfloat16)
+
+    class Accelerator(CpuBackend):
+        free = 0
+
+        def device(self):
+            return torch.device("meta")  # never reached: the check comes first
+
+        def activation_dtype(self, precision):
+            return torch.bfloat16
+
+        def free_memory_bytes(self):
+            return self.free
+
+    backend, profile = Accelerator(), CpuBackend().profiles()["basic"]
+    backend.free = need("bf16") - 1
+    with pytest.raises(UserError) as err:
+        LLMEngine(backend, loaded, "bf16", profile)
+    message = str(err.value)
+    assert message.startswith(f"{loaded.source}: its weights need at least") and "as bf16" in message
+    assert "use --precision fp8-e4m3 (" in message and " or --precision int4 (" in message and "\n" not in message
+    assert err.value.exit_code == 2
+    backend.free = need("int4")
+    with pytest.raises(UserError, match=r"GiB free; use --precision int4 \(0\.0 GiB\)$"):
+        LLMEngine(backend, loaded, "bf16", profile)
+    backend.free = need("int4") - 1
+    with pytest.raises(UserError, match="GiB free; pick a smaller model$"):
+        LLMEngine(backend, loaded, "int4", profile)
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_stops_at_agrees_with_the_stop_list_the_device_runner_takes(ignore_eos):
     """The engine's per-token check and the list a look-ahead runner stops at are one rule."""

@@ -7,7 +7,7 @@ import torch
 from ..backend import Backend
 from ..errors import UserError
 from ..loader import LoadedModel
-from ..model import DecoderModel
+from ..model import DecoderModel, weight_bytes
 from ..precision import PRECISIONS
 from ..profile import Profile
 from ..spec.decoder import SpecDecoder, SpecStats
@@ -31,6 +31,7 @@ class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
         self.backend, self.profile, self.config = backend, profile, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
+        self._refuse_weights_past_free_memory(backend, loaded)
         self.model = DecoderModel(
             loaded.config,
             loaded.weights,
@@ -57,6 +58,31 @@ class LLMEngine:
             runner_drafts=self.runner.drafts_itself)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
         self.runner.eos_ids = frozenset(self.eos_ids)
+
+    def _refuse_weights_past_free_memory(self, backend: Backend, loaded: LoadedModel) -> None:
+        """Weights bound for an accelerator that cannot hold them are refused up front, with their sizes in the
+        precisions that would fit, rather than failing out of memory half way through the load. (On the CPU they
+        are in this memory already.)"""
+        if backend.device().type == "cpu":
+            return
+        free = backend.free_memory_bytes()
+
+        def need(precision) -> int:
+            return weight_bytes(loaded.config, loaded.weights, precision, backend.activation_dtype(precision))
+
+        if need(self.precision) <= free:
+            return
+        smaller = []
+        for name in ("fp8-e4m3", "int4"):
+            try:
+                option = backend.check_request(name, self.profile)
+            except UserError:
+                continue  # not on this device
+            if option.bits < self.precision.bits and need(option) <= free:
+                smaller.append(f"--precision {name} ({need(option) / GIB:.1f} GiB)")
+        fix = f"use {' or '.join(smaller)}" if smaller else "pick a smaller model"
+        raise UserError(f"{loaded.source}: its weights need at least {need(self.precision) / GIB:.1f} GiB as "
+                        f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
 
     def _kv_dtype(self) -> torch.dtype:
         name = self.profile.kv_cache_dtype
