@@ -422,6 +422,20 @@ def test_int4_format(backend, conformance, seed):
                                f"error reaches {worst:.3g} half-steps (bound: 1)")
 
 
+def test_quantized_on_the_device(backend, conformance, seed):
+    """The engine quantizes projections at load on the backend's device: its bytes, scales and offsets must be the
+    CPU's, or the same checkpoint holds other weights on another device."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g).exp()
+    w[0, :3] = torch.tensor([1e-30, 3e4, -7.0])
+    for precision in [p for p in ("int4", "fp8-e4m3", "fp8-e5m2") if p in backend.precisions]:
+        here, there = PRECISIONS[precision].quantize(w), PRECISIONS[precision].quantize(w.to(backend.device()))
+        differ = [f for f in ("packed", "scales", "offsets", "data", "scale") if hasattr(here, f) and not torch.equal(
+            getattr(here, f).view(torch.uint8), getattr(there, f).cpu().view(torch.uint8))]
+        conformance.expect(not differ, precision, "same as the CPU",
+                           f"{', '.join(differ)} differ from the CPU's quantization of the same weight")
+
+
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
 def test_gguf_q4(backend, conformance, seed, ggml_type):
     """GGUF blocks decoded by int4_from_gguf equal the gguf package's own dequantization bit for bit."""

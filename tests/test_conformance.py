@@ -73,7 +73,7 @@ def test_cpu_backend_passes_the_whole_suite(tmp_path):
     assert e2e["passed"] is None and "reference" in e2e["message"]
     names = {c["name"].split("[")[0].split("::")[0] for c in cases}
     assert {"embedding", "rmsnorm", "add_rmsnorm", "rope", "store_kv", "attention", "linear", "silu_and_mul",
-            "sample", "fp8_format", "int4_format", "gguf_q4", "engine_precision", "feature",
+            "sample", "fp8_format", "int4_format", "quantized_on_the_device", "gguf_q4", "engine_precision", "feature",
             "prefix_cache_hit_equals_miss", "batch_invariance", "seeded_determinism"} <= names
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite.get("failures") == "0" and int(suite.get("tests")) > 100
