@@ -30,7 +30,7 @@ from flashnext.core.cli_bench import machine_name  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
-from flashnext.core.precision import Fp8Weight, fp8_block_weight, fp8_quantize  # noqa: E402
+from flashnext.core.precision import Fp8Weight, block_multipliers, fp8_block_weight, fp8_quantize  # noqa: E402
 
 BLOCK = (128, 128)
 
@@ -43,7 +43,7 @@ def block_fp8(w: torch.Tensor, block=BLOCK) -> Fp8Weight:
     padded[:n, :k] = w.float()
     amax = padded.reshape(padded.shape[0] // rows, rows, -1, cols).abs().amax(dim=(1, 3))
     multipliers = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    per_element = multipliers.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    per_element = block_multipliers(multipliers, block, (n, k))
     return fp8_block_weight((w.float() / per_element).to(torch.float8_e4m3fn), multipliers, block)
 
 

@@ -211,11 +211,9 @@ class Fp8Weight:
         return self.shape[1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.data.shape
         scale = self.scale.float()
         if self.block is not None:
-            rows, cols = self.block
-            scale = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+            scale = block_multipliers(scale, self.block, self.shape)
         return (self.data.float() * scale).to(dtype)
 
     def select_rows(self, index: torch.Tensor) -> Fp8Weight:
@@ -262,6 +260,13 @@ def fp8_quantize(w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = Tru
     x = w.float()
     data, scale = _fp8_cast(x, _finite_amax(x, dim=-1 if per_channel else None), fmt)
     return Fp8Weight(data, scale)
+
+
+def block_multipliers(multipliers: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """One multiplier per block of block = (rows, columns) spread over a weight of `shape`, partial edge blocks
+    cut: the multiplier of every element."""
+    (rows, cols), (n, k) = block, shape
+    return multipliers.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
 
 
 def fp8_block_weight(data: torch.Tensor, multipliers: torch.Tensor, block: tuple[int, int],

@@ -206,6 +206,8 @@ def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block
     Returns each projection's dequantized float32 values (what the checkpoint means)."""
     from safetensors.torch import load_file, save_file
 
+    from flashnext.core.precision import block_multipliers
+
     folder = write_tiny_hf_model(dir, **kwargs)
     weights = load_file(str(folder / "model.safetensors"))
     compressed = method == "compressed-tensors"
@@ -225,7 +227,7 @@ def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block
         stored = stored.to(torch.bfloat16) if compressed else stored
         multiplier = stored.float()
         if scales == "block":
-            multiplier = multiplier.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+            multiplier = block_multipliers(multiplier, block, (n, k))
         weights[name + ("_scale_inv" if scales == "block" and not compressed else "_scale")] = stored
         if scales == "tensor" and not compressed:
             weights[name.replace(".weight", ".input_scale")] = torch.tensor(0.02)

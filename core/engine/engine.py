@@ -70,7 +70,8 @@ class LLMEngine:
         def need(precision) -> int:
             return weight_bytes(loaded.config, loaded.weights, precision, backend.activation_dtype(precision))
 
-        if need(self.precision) <= free:
+        needed = need(self.precision)
+        if needed <= free:
             return
         smaller = []
         for name in ("fp8-e4m3", "int4"):
@@ -81,7 +82,7 @@ class LLMEngine:
             if option.bits < self.precision.bits and need(option) <= free:
                 smaller.append(f"--precision {name} ({need(option) / GIB:.1f} GiB)")
         fix = f"use {' or '.join(smaller)}" if smaller else "pick a smaller model"
-        raise UserError(f"{loaded.source}: its weights need at least {need(self.precision) / GIB:.1f} GiB as "
+        raise UserError(f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
                         f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
 
     def _kv_dtype(self) -> torch.dtype:

@@ -88,10 +88,11 @@ class CudaBackend(Backend):
 
     def check_request(self, precision: str, profile: Profile):
         chosen = super().check_request(precision, profile)
-        if precision == "fp8-e4m3" and _capability()[:2] < FP8_CAPABILITY:
+        if precision == "fp8-e4m3":
             major, minor, name = _capability()
-            raise UserError(f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {name} is"
-                            f" {major}.{minor}: use --precision bf16 or int4")
+            if (major, minor) < FP8_CAPABILITY:
+                raise UserError(f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {name} is"
+                                f" {major}.{minor}: use --precision bf16 or int4")
         return chosen
 
     def free_memory_bytes(self) -> int:
