@@ -838,8 +838,7 @@ def gemv_rows(monkeypatch) -> list[int]:
 def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gemv_rows, gemv_rows, monkeypatch):
     """Int4 rows past GEMV_MAX_K (scaled down here to 256 columns) still take the register GEMV up to
     LONG_GEMV_MAX_K columns and large_gemv_rows rows: in two pieces, a row a program, 16 rows x 4 warps; the int8
-    x blocks' products and each row a one-row call's bits. More rows, longer rows and 16-bit or fp8 weights of
-    that width go to the skinny GEMM."""
+    x blocks' products and each row a one-row call's bits. More rows and longer rows go to the skinny GEMM."""
     monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
     monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
     w = int4_quantize(torch.randn(40, 384) * 0.1, group_size=128).to(DEV)
@@ -854,11 +853,37 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
     assert all(torch.equal(kernels.linear(x[i : i + 1], w)[0], out[i]) for i in range(rows)) or not long_gemv
     assert nmse(out, _int8_blocks_model(x, w)) < (1e-11 if long_gemv else 1e-4)
     gemv_rows.clear()
-    kernels.linear(rand(1, 384), rand(40, 384))
-    kernels.linear(rand(1, 384), fp8_quantize(torch.randn(40, 384)).to(DEV))
     monkeypatch.setattr(kernels_module, "LONG_GEMV_MAX_K", 256)
     kernels.linear(x, w)
     assert gemv_rows == []
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_long_16_bit_and_fp8_rows_take_the_gemv_for_one_row_calls(kind, gemv_rows, monkeypatch):
+    """16-bit and fp8 rows past GEMV_MAX_K (scaled down here to 256 columns) take the register GEMV for calls of
+    up to long_gemv_rows rows (one by default): two pieces, 2 weight rows x 4 warps. Two rows, long_gemv_rows 0
+    (graphs whose verify rows share decode's route) or rows past LONG_GEMV_MAX_K go to the skinny GEMM, and only
+    there does an fp8 weight take its input as fp8 rows. Both routes give the product."""
+    monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    dense = torch.randn(40, 384) * 0.1
+    w = (dense.to(torch.bfloat16) if kind == "bf16" else fp8_quantize(dense)).to(DEV)
+    x = rand(2, 384)
+    want = x.double() @ (w.double() if kind == "bf16" else w.dequantize(torch.float64)).T
+    kernels = CudaKernels()
+    assert kernels_module.gemv_config(40, 384, kernels._weight_kind(w)[0]) == (2, 4)
+    assert kernels_module.gemv_k_pieces(40, 384, 1) == (256, 128)
+    assert not kernels._takes_fp8_rows(x[:1], w) and kernels._takes_fp8_rows(x, w) == (kind == "fp8")
+    one, two = kernels.linear(x[:1], w), kernels.linear(x, w)
+    assert gemv_rows == [1]
+    bound = 5e-5 if kind == "bf16" else 1e-2  # fp8 rows: x rounded to fp8 a token (truncated by the interpreter)
+    assert nmse(one, want[:1]) < 5e-5 and nmse(two, want) < bound  # bf16 outputs (the interpreter truncates)
+    kernels.long_gemv_rows = 0
+    kernels.linear(x[:1], w)
+    kernels.long_gemv_rows = 1
+    monkeypatch.setattr(kernels_module, "LONG_GEMV_MAX_K", 256)
+    kernels.linear(x[:1], w)
+    assert gemv_rows == [1]
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
@@ -879,6 +904,24 @@ def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(ki
     kernels.large_gemv_rows = 3  # a one-sequence row-invariant graph: its verify rows too
     many = kernels.linear(x, w)
     assert gemv_rows[-1] == 3 and all(torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i]) for i in range(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled GEMV at full size needs a GPU")
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_long_rows_of_a_4b_model_give_the_product_through_either_route(kind):
+    """Qwen3-4B's down projection (2,560 x 9,728) at one row: the GEMV (two pieces, 2 x 4) and the skinny GEMM it
+    replaces both give x @ W.T within bf16 rounding of the float64 product."""
+    dense = torch.randn(2560, 9728, device=DEV) * 0.02
+    w = dense.to(torch.bfloat16) if kind == "bf16" else fp8_quantize(dense)
+    x = rand(1, 9728)
+    want = x.double() @ (w.double() if kind == "bf16" else w.dequantize(torch.float64)).T
+    kernels = CudaKernels()
+    through_gemv = kernels.linear(x, w)
+    kernels.long_gemv_rows = 0
+    through_skinny = kernels.linear(x, w)
+    assert nmse(through_gemv, want) < 1e-5
+    assert nmse(through_skinny, want) < (1e-5 if kind == "bf16" else 2e-3)  # fp8 x a token there
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.spec.ngram import lookup  # noqa: E402
-from flashnext.plugins.cuda.kernels import LARGE_GEMV_MAX_ROWS, CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.kernels import LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import (MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner,  # noqa: E402
                                            _Lookahead, copy_yield)
 
@@ -178,16 +178,19 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
 
 def test_large_weights_keep_one_route_for_a_graphs_decode_and_verify_rows(tiny_random):
     """Row-invariant graphs give large weights and long int4 rows one route for all their rows: the GEMV in a
-    one-sequence graph (decode and verify), the skinny GEMM in larger buckets; eager steps get one row back."""
-    runner = _tiny_runner(tiny_random)
-    kernels = runner.kernels
-    seen = {}
-    for bucket, query_rows in ((1, 1), (1, 5), (2, 1), (2, 5)):
-        with runner.graph_settings(bucket, query_rows):
-            assert kernels.row_invariant
-            seen[bucket, query_rows] = kernels.large_gemv_rows
-    assert seen == {(1, 1): 1, (1, 5): 5, (2, 1): 0, (2, 5): 0}
-    assert kernels.large_gemv_rows == LARGE_GEMV_MAX_ROWS and not kernels.row_invariant
+    one-sequence graph (decode and verify), the skinny GEMM in larger buckets; long 16-bit and fp8 rows the skinny
+    GEMM where verify steps may run, the GEMV in a one-row step where none can; eager steps get one row back."""
+    for profile, long_rows in ((NGRAM, 0), (NGRAM.overridden(spec="none"), 1)):
+        runner = _tiny_runner(tiny_random, profile=profile)
+        kernels = runner.kernels
+        seen = {}
+        for bucket, query_rows in ((1, 1), (1, 5), (2, 1), (2, 5)):
+            with runner.graph_settings(bucket, query_rows):
+                assert kernels.row_invariant and kernels.long_gemv_rows == long_rows
+                seen[bucket, query_rows] = kernels.large_gemv_rows
+        assert seen == {(1, 1): 1, (1, 5): 5, (2, 1): 0, (2, 5): 0}
+        assert kernels.large_gemv_rows == LARGE_GEMV_MAX_ROWS and not kernels.row_invariant
+        assert kernels.long_gemv_rows == LONG_GEMV_MAX_ROWS
 
 
 def test_the_faster_kind_of_round_trip_runs_and_the_other_is_retried(tiny_random):

@@ -32,10 +32,12 @@ GEMV_MAX_K = 4096
 # row per program (gemv_config, gemv_k_pieces, gemv_row_block). H200, us a call against the skinny GEMM at 1 / 2 / 4
 # rows: Qwen3-8B's 4,096 x 12,288 13.5 / 23.8 / 44.1 vs 51.9 / 44.8 / 44.8; 4B's 2,560 x 9,728 6.6 / 12.5 / 19.9 vs
 # 27.5 / 35.7 / 35.8; 1.7B's 2,048 x 6,144 3.8 / 5.7 / 9.8 vs 13.8 / 14.7 / 14.7; Llama-3-8B's 4,096 x 14,336 18.5 /
-# 35.0 / 66.7 vs 59.3 / 51.3 / 51.3. 16-bit and fp8 rows that long gain less at one row (bf16 3-22%, fp8 37-62%) and
-# lose from two rows on, and a row-invariant graph keeps one route for its decode and verify rows, so they keep the
-# skinny GEMM.
-LONG_GEMV_MAX_K = 16384
+# 35.0 / 66.7 vs 59.3 / 51.3 / 51.3. 16-bit and fp8 rows that long take it for calls of up to
+# CudaKernels.long_gemv_rows rows (LONG_GEMV_MAX_ROWS; 0 in graphs whose verify rows must take their decode row's
+# route, where the skinny GEMM reads the weight once for all of them): two rows through the GEMV lose to the skinny
+# GEMM, one row gains (gemv_config; captured batch-1 steps, H200: Qwen3-4B bf16 3,740 -> 2,721 us, fp8 2,493 ->
+# 1,963; 8B bf16 4,160 -> 4,099, fp8 3,009 -> 2,638; 1.7B bf16 1,381 -> 1,204, fp8 1,089 -> 936).
+LONG_GEMV_MAX_K, LONG_GEMV_MAX_ROWS = 16384, 1
 # Weights of at least this many elements (the layers of 1.7B and larger models; Qwen3-0.6B's are under 6.3M) run
 # the GEMV a row a program, and only for calls of up to CudaKernels.large_gemv_rows rows (LARGE_GEMV_MAX_ROWS
 # outside row-invariant graphs); more rows go to the skinny GEMM (int4 ones meeting Int8Rows: _meets_int8_rows).
@@ -1408,6 +1410,8 @@ def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     602 for four rows and four warps; SmolLM2 decode 344 vs 365, verify 572 vs 614, four warps). A function of the
     weight alone, so that decode and verify rows of one layer round alike."""
     small = _small_weight(n_out, k)
+    if kind != INT4 and k > GEMV_MAX_K:  # LONG_GEMV_MAX_K's 16-bit and fp8 rows: 4 x 4 spilled at 8B's 12,288
+        return 2, 4  # bf16 (7,048 vs 4,099 us a step); 2 x 4 was within 4% of the fastest of six elsewhere
     if kind == INT4:  # rows past GEMV_MAX_K, 6,144 / 9,728 / 12,288 columns: 3.9 / 6.8 / 13.2 us vs 3.9 / 8.7 / 14.5
         return (16, 4) if small or k > GEMV_MAX_K else (16, 8)  # in 16 x 8 (both in two pieces)
     return (8, 4) if small and kind != FP8 else (4, 4)
@@ -1539,8 +1543,8 @@ class CudaKernels(ReferenceKernels):
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
-        self.large_gemv_rows = LARGE_GEMV_MAX_ROWS  # see _gemv_fits; CudaGraphRunner.graph_settings sets it for
-        # row-invariant graphs
+        self.large_gemv_rows = LARGE_GEMV_MAX_ROWS  # see _gemv_fits; CudaGraphRunner.graph_settings sets it and
+        self.long_gemv_rows = LONG_GEMV_MAX_ROWS  # this for row-invariant graphs
         # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
         # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
         # five rows vs 22 for one; see skinny_gemm).
@@ -1975,9 +1979,9 @@ class CudaKernels(ReferenceKernels):
         return DENSE, w, w, w, 1
 
     def _gemv_fits(self, x, w) -> bool:
-        """Few rows (gemv_max_rows), rows of at most GEMV_MAX_K columns (int4: LONG_GEMV_MAX_K, for at most
-        large_gemv_rows rows past GEMV_MAX_K), and for large 16-bit, fp8 or Int8Rows-meeting int4 weights at most
-        large_gemv_rows rows."""
+        """Few rows (gemv_max_rows), rows of at most GEMV_MAX_K columns (LONG_GEMV_MAX_K for calls of at most
+        large_gemv_rows rows of int4 weights, long_gemv_rows of 16-bit and fp8 ones), and for large 16-bit, fp8 or
+        Int8Rows-meeting int4 weights at most large_gemv_rows rows."""
         rows, k = x.shape
         if rows > self.gemv_max_rows:
             return False
@@ -1986,7 +1990,9 @@ class CudaKernels(ReferenceKernels):
                 return False
             long_ok = k <= GEMV_MAX_K or (k <= LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
             return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
-        if k > GEMV_MAX_K or (rows > self.large_gemv_rows and _large_weight(w.shape[0], k)):
+        if k > GEMV_MAX_K and (k > LONG_GEMV_MAX_K or rows > self.long_gemv_rows):
+            return False
+        if rows > self.large_gemv_rows and _large_weight(w.shape[0], k):
             return False
         if isinstance(w, Fp8Weight):
             return w.per_channel

@@ -40,7 +40,8 @@ from flashnext.core.spec.decoder import SpecStats, accepted_length
 from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
 
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS, argmax_chunks
+from .kernels import (GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS,
+                      argmax_chunks)
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -373,11 +374,14 @@ class CudaGraphRunner(ModelRunner):
             # one-sequence graph, decode and verify alike; the skinny GEMM's 16-row tiles for every row of larger
             # buckets, where the GEMV would read the weight once a row.
             kernels.large_gemv_rows = bucket * query_rows if bucket == 1 else 0
+            # Long 16-bit and fp8 rows: the GEMV for a one-row step unless verify steps share its route (the GEMV
+            # would read the weight once a verify row).
+            kernels.long_gemv_rows = 0 if self.verify_len else LONG_GEMV_MAX_ROWS
         try:
             yield
         finally:
             kernels.decode_splits, kernels.gemv_max_rows, kernels.row_invariant = 1, GEMV_MAX_ROWS, False
-            kernels.large_gemv_rows = LARGE_GEMV_MAX_ROWS
+            kernels.large_gemv_rows, kernels.long_gemv_rows = LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS
 
     def _capture(self, key: tuple[int, bool, str], body, query_rows: int) -> torch.cuda.CUDAGraph:
         # torch.cuda.graph empties the allocator's cache before it captures: read what is reserved after that
