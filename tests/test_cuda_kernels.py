@@ -815,14 +815,34 @@ def test_gemv_skips_dead_rows_that_have_programs_of_their_own(kind, row_block, m
 
 def test_gemv_row_pieces_follow_the_weight():
     """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +
-    512); large ones, powers of two and int4 rests smaller than a group keep one padded piece."""
+    512), so do int4 rows of any size and 16-bit or fp8 ones one piece would pad by more than a quarter; powers of
+    two, int4 rests smaller than a group and larger 16-bit rows padded by at most a quarter keep one piece."""
     pieces = kernels_module.gemv_k_pieces
     assert pieces(960, 576, 1) == (512, 64) and pieces(1152, 1536, 32) == (1024, 512)
     assert pieces(4096, 1024, 1) == (1024, 0) and pieces(1024, 3072, 1) == (4096, 0)  # Qwen3: 2^21 elements and up
+    assert pieces(1024, 3072, 128) == (2048, 1024) and pieces(4096, 1024, 128) == (1024, 0)
+    assert pieces(6144, 2560, 1) == (2048, 512) and pieces(6144, 2560, 128) == (2048, 512)  # Qwen3-4B
     assert pieces(960, 576, 128) == (1024, 0) and pieces(64, 256, 1) == (256, 0)
     # int4 rows past GEMV_MAX_K (the down projections of Qwen3-1.7B, 4B, 8B) take two pieces whatever their size
     assert pieces(2048, 6144, 128) == (4096, 2048) and pieces(2560, 9728, 128) == (8192, 2048)
     assert pieces(4096, 12288, 32) == (8192, 4096)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+def test_rows_padded_past_a_quarter_give_the_product_in_two_pieces(kind, monkeypatch):
+    """A larger weight's 320-column rows (Qwen3-4B's 2,560 scaled down) in two pieces, 256 + 64, with the larger
+    weights' GEMV programs (int4: 16 rows, 8 warps): the product, 16-bit x or its int8 blocks."""
+    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    dense = torch.randn(48, 320) * 0.1
+    w = (dense.to(torch.bfloat16) if kind == "bf16" else int4_quantize(dense, group_size=64)).to(DEV)
+    x = rand(1, 320, dtype=torch.float32 if kind == "int4" else torch.bfloat16)  # fp32 out: the blocks' bits show
+    group = 64 if kind == "int4" else 1
+    assert kernels_module.gemv_k_pieces(48, 320, group) == (256, 64)
+    out = CUDA.linear(x, w)
+    if kind == "int4":
+        assert nmse(out, _int8_blocks_model(x, w)) < 1e-11 and CUDA._weight_kind(w)[0] == 2
+    else:
+        assert nmse(out, x.double() @ w.double().T) < 5e-5
 
 
 @pytest.fixture

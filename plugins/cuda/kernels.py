@@ -1418,15 +1418,21 @@ def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
 
 
 def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_KB): a small weight's GEMV row as a power-of-two piece plus a second one for the rest, so
-    that a 576-wide row takes 512 + 64 columns' registers rather than 1,024 (BLOCK_KB 0: one piece). SmolLM2 shape,
-    H200, captured steps: bf16 decode 345 vs 357 us, int4 396 vs 420; Qwen3's larger layers (3,072 = 2,048 +
-    1,024) ran 1-2% slower in two, so they keep one. Int4 rows past GEMV_MAX_K take two too (H200, one row, 16
-    rows and four warps a program: 9,728 = 8,192 + 2,048 columns 6.8 vs 17.8 us in one piece of 16,384; 12,288
-    13.2 vs 25.6). Int4 pieces hold whole groups."""
+    """(BLOCK_K, BLOCK_KB): a GEMV row as a power-of-two piece plus a second one for the rest, so that a 576-wide
+    row takes 512 + 64 columns' registers rather than 1,024 (BLOCK_KB 0: one piece); group > 1 means int4 rows,
+    whose pieces hold whole groups. Two pieces for small weights (SmolLM2 shape, H200, captured steps: bf16 decode
+    345 vs 357 us, int4 396 vs 420), rows past GEMV_MAX_K (int4 at one row, 16 rows and four warps a program:
+    9,728 = 8,192 + 2,048 columns 6.8 vs 17.8 us in one piece of 16,384; 12,288 13.2 vs 25.6), every int4 row
+    that is not a power of two (the dots, not the bytes, bound them: Qwen3-4B's 2,560 = 2,048 + 512 columns, int4
+    step 1,701 -> 1,561 us; 0.6B's 3,072 = 2,048 + 1,024, 569 -> 560) and 16-bit or fp8 rows one piece would pad by
+    more than a quarter (4B bf16 2,724 -> 2,582 us; 0.6B's 3,072 pads by a quarter and ran 0.7% slower in two, fp8
+    1.6%)."""
     first = 1 << (k.bit_length() - 1)
     rest = _pow2(k - first) if first < k else 0
-    if (not _small_weight(n_out, k) and k <= GEMV_MAX_K) or rest == 0 or rest % group:
+    if rest == 0 or rest % group:
+        return _pow2(k), 0
+    wasteful = group > 1 or 4 * k < 3 * _pow2(k)
+    if not _small_weight(n_out, k) and k <= GEMV_MAX_K and not wasteful:
         return _pow2(k), 0
     return first, rest
 
