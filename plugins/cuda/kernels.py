@@ -1549,12 +1549,14 @@ class CudaKernels(ReferenceKernels):
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = GEMV_MAX_ROWS
-        self.large_gemv_rows = LARGE_GEMV_MAX_ROWS  # see _gemv_fits; CudaGraphRunner.graph_settings sets it and
-        self.long_gemv_rows = LONG_GEMV_MAX_ROWS  # this for row-invariant graphs
         # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
         # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
         # five rows vs 22 for one; see skinny_gemm).
         self.row_invariant = False
+        # Row counts up to which large weights and long rows take the GEMV (see _gemv_fits); graph_settings sets
+        # both for row-invariant graphs.
+        self.large_gemv_rows = LARGE_GEMV_MAX_ROWS
+        self.long_gemv_rows = LONG_GEMV_MAX_ROWS
         # Programmatic dependent launch: each kernel's programs start while the previous kernel drains, and the
         # GEMVs stream their weights meanwhile (a batch-1 step is ~200 short kernels; see _after_producer).
         use = pdl_supported() if pdl is None else pdl
