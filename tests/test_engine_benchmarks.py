@@ -164,3 +164,20 @@ def test_random_weights_of_an_untied_config_carry_their_own_head():
     llm = LLM(model=loaded, backend="cpu", max_model_len=64)
     out = llm.engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].output_ids) == 4
+
+
+def test_ptx_census_shows_the_int4_gemv_reading_four_words_a_load(tmp_path):
+    """The int4 GEMV compiled for sm_90 on this CPU reads its weight rows four 32-bit words a thread, for Qwen3-4B's
+    2,560-column rows and SmolLM2's 576 (GGUF's 32-column blocks) alike: from K // 8 Triton could prove two words
+    and one. The weight tile's second piece (SmolLM2: 64 columns, eight words a row) may read fewer."""
+    pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+    for args in (["--shape", "6144x2560"], ["--shape", "960x576", "--group", "32"]):
+        out = tmp_path / "census.json"
+        done = subprocess.run([sys.executable, str(BENCH / "ptx_census.py"), "--kind", "int4", *args, "--json",
+                               str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert r["weight_elements_a_load"][0] == 4 and r["dp4a"] > 0 and r["instructions"] > 100
+    bad = subprocess.run([sys.executable, str(BENCH / "ptx_census.py"), "--shape", "6144"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "give outputs x columns" in bad.stderr and "Traceback" not in bad.stderr

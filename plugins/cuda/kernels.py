@@ -739,16 +739,18 @@ DENSE, FP8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, KW, k0, WKIND: tl.constexpr, GROUP: tl.constexpr,
+def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constexpr, GROUP: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_N weight rows at n, columns k0 .. k0 + BLOCK_K (those < K), as stored, with their scales and offsets
-    (unused ones are 0): (w, s, o). An int4 piece starts and ends on group boundaries. KW: K // 8, an argument of
-    its own so that Triton sees when it divides by 16 (it does not derive it from K's divisibility) and reads four
-    words a load."""
+    (unused ones are 0): (w, s, o). An int4 piece starts and ends on group boundaries."""
     if WKIND == 2:  # int32 words of 8 nibbles (byte j: columns 2j, 2j + 1)
+        # Words a row: K // 8 written as a multiple of 4 (int4 rows here hold whole X_BLOCKs of 32 columns), so
+        # that Triton sees rows start 16 bytes apart and reads four words a load; from K // 8 it could prove two
+        # words at most, one where K is not a multiple of 16 (benchmarks/ptx_census.py).
+        words = (K // X_BLOCK) * (X_BLOCK // 8)
         i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * KW + i[None, :],
-                    mask=n_ok[:, None] & (i < KW)[None, :], other=0)
+        w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * words + i[None, :],
+                    mask=n_ok[:, None] & (i < words)[None, :], other=0)
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
         s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
@@ -844,7 +846,7 @@ def _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES: tl.cons
 
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, live_ptr, ROWS,
-                      K, KW, N_OUT, eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
+                      K, N_OUT, eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
                       WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_KB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIVE: tl.constexpr, PDL: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
@@ -870,16 +872,16 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
         go = tl.load(live_ptr + first_row) != 0
     else:
         go = True
-    w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, KW, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
+    w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
     if TWO:
-        wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, KW, BLOCK_K, WKIND, GROUP, BLOCK_N,
+        wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N,
                                 BLOCK_KB)
     if SILU:
         up_n = n + N_OUT
-        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, KW, 0, WKIND, GROUP, BLOCK_N,
+        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, 0, WKIND, GROUP, BLOCK_N,
                                       BLOCK_K)
         if TWO:
-            w_upb, s_upb, o_upb = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, KW, BLOCK_K, WKIND, GROUP,
+            w_upb, s_upb, o_upb = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, BLOCK_K, WKIND, GROUP,
                                              BLOCK_N, BLOCK_KB)
     k = tl.arange(0, BLOCK_K)
     if TWO:
@@ -2029,7 +2031,7 @@ class CudaKernels(ReferenceKernels):
         block_k, block_kb = gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
             x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
-            x if live is None else live, rows, k, k // 8 if kind == INT4 else k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res,
+            x if live is None else live, rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res,
             SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
             ROW_BLOCK=row_block, LIVE=live is not None, num_warps=warps, **self._pdl)
         return (out, res_out) if with_residual else out
