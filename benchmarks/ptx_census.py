@@ -39,8 +39,7 @@ def census(kind: str, n_out: int, k: int, silu: bool = False, group: int = 128) 
     block_n, warps = K.gemv_config(rows_of_w, k, wkind)
     block_k, block_kb = K.gemv_k_pieces(rows_of_w, k, group)
     fn = K._norm_gemv_kernel
-    ints = {"K": k, "KW": k // 8 if wkind == K.INT4 else k, "N_OUT": n_out}
-    ints = {name: value for name, value in ints.items() if name in fn.arg_names}  # KW: only 006da8d had it
+    ints = {"K": k, "N_OUT": n_out}
     signature = {name: "*bf16" for name in POINTERS} | {"w_ptr": w_type, "scales_ptr": scale_type,
                                                         "offsets_ptr": scale_type, "eps": "fp32"}
     signature |= {name: "i32" for name in ints}
@@ -53,9 +52,9 @@ def census(kind: str, n_out: int, k: int, silu: bool = False, group: int = 128) 
                     attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
-    body = [line.strip() for line in ptx.splitlines()]
-    ops = [line.split()[0] for line in body if line and not line.startswith(("//", ".", "$", "{", "}", ")"))]
-    ops = [op for op in ops if not op.startswith("@")] + [line.split()[1] for line in body if line.startswith("@")]
+    lines = [line.split() for line in ptx.splitlines()]
+    lines = [words for words in lines if words and not words[0].startswith(("//", ".", "$", "{", "}", ")"))]
+    ops = [words[1] if words[0].startswith("@") else words[0] for words in lines]  # "@%p1 ld.global ...": predicated
     names = Counter(op.split(".")[0] for op in ops)
     return {"kind": kind, "n_out": n_out, "k": k, "silu": silu, "group": group, "block_n": block_n, "warps": warps,
             "pieces": [block_k, block_kb], "instructions": len(ops),

@@ -874,12 +874,10 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
         go = True
     w, s, o = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
     if TWO:
-        wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N,
-                                BLOCK_KB)
+        wb, sb, ob = _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N, BLOCK_KB)
     if SILU:
         up_n = n + N_OUT
-        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, 0, WKIND, GROUP, BLOCK_N,
-                                      BLOCK_K)
+        w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
         if TWO:
             w_upb, s_upb, o_upb = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, BLOCK_K, WKIND, GROUP,
                                              BLOCK_N, BLOCK_KB)
@@ -1415,9 +1413,9 @@ def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     few instructions (dp4a), so their programs take 16 (captured steps: Qwen3 batch 1 with eight warps 571 us vs
     602 for four rows and four warps; SmolLM2 decode 344 vs 365, verify 572 vs 614, four warps). A function of the
     weight alone, so that decode and verify rows of one layer round alike."""
-    small = _small_weight(n_out, k)
     if kind != INT4 and k > GEMV_MAX_K:  # LONG_GEMV_MAX_K's 16-bit and fp8 rows: 4 x 4 spilled at 8B's 12,288
         return 2, 4  # bf16 (7,048 vs 4,099 us a step); 2 x 4 was within 4% of the fastest of six elsewhere
+    small = _small_weight(n_out, k)
     if kind == INT4:  # rows past GEMV_MAX_K, 6,144 / 9,728 / 12,288 columns: 3.9 / 6.8 / 13.2 us vs 3.9 / 8.7 / 14.5
         return (16, 4) if small or k > GEMV_MAX_K else (16, 8)  # in 16 x 8 (both in two pieces)
     return (8, 4) if small and kind != FP8 else (4, 4)
