@@ -968,13 +968,14 @@ def test_int8_rows_hold_each_group_as_int8_even_columns_first(group):
     assert torch.isnan(rows.scale[1, 0]) and torch.isnan(rows.scale[2, 1]) and torch.isfinite(rows.scale[1, 1:]).all()
 
 
-@pytest.mark.parametrize("group,rows,k", [(128, 2, 256), (64, 9, 320), (128, 20, 640), (128, 28, 2048)])
-def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, k, large_int4):
-    """Past one row (large_gemv_rows) and up to INT4_SKINNY_MAX_ROWS, large int4 weights of whole 64-column groups
-    go to the skinny GEMM with x rounded to int8 a group at a time: it computes x_scale (s dot(q, x_int8) + o
-    sum(x_int8)) a group, i.e. the int8 x times the dequantized weight (float64 model; the outputs round to
-    bf16), any K slices."""
-    w = int4_quantize(torch.randn(48, k) * 0.1, group_size=group, symmetric=group == 64).to(DEV)
+@pytest.mark.parametrize("group,rows,n,k", [(128, 2, 48, 256), (64, 9, 48, 320), (128, 12, 48, 640),
+                                             (128, 16, 48, 2048), (128, 28, 512, 128)])
+def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, n, k, large_int4):
+    """Past one row (large_gemv_rows) and up to 16 rows, and the widest (gate/up: outputs >= 4 x K) up to
+    INT4_SKINNY_MAX_ROWS, large int4 weights of whole 64-column groups go to the skinny GEMM with x rounded to int8
+    a group at a time: it computes x_scale (s dot(q, x_int8) + o sum(x_int8)) a group, i.e. the int8 x times the
+    dequantized weight (float64 model; the outputs round to bf16), any K slices."""
+    w = int4_quantize(torch.randn(n, k) * 0.1, group_size=group, symmetric=group == 64).to(DEV)
     x = rand(rows, k)
     assert CUDA._takes_int8_rows(x, w) and not CUDA._takes_int8_rows(x[:1], w)
     out = CUDA.linear(x, w)
@@ -1028,6 +1029,79 @@ def test_int8_rows_keep_each_row_as_a_one_row_call_computes_it(large_int4):
     for i in (0, 1, 4):
         assert torch.equal(kernels.linear(x[i : i + 1], w)[0], many[i])
     assert torch.isnan(many[3]).all() and torch.isfinite(many[[0, 1, 2, 4]]).all()
+
+
+@pytest.fixture
+def wide_int4(large_int4, monkeypatch):
+    """Large int4 weights (scaled down) of 64+ outputs are widened as the first operand at 17-64 rows."""
+    monkeypatch.setattr(kernels_module, "INT4_WIDE_MIN_N", 64)
+
+
+@pytest.mark.parametrize("group,rows,n,k", [(128, 17, 64, 512), (64, 32, 96, 320), (128, 40, 128, 256),
+                                             (32, 64, 64, 384), (32, 20, 512, 128)])
+def test_large_int4_weights_at_17_to_64_rows_widen_as_the_first_operand(group, rows, n, k, wide_int4):
+    """At 17-64 rows large int4 weights are widened to bf16 as the skinny GEMM's first operand (W_AS_A, 64 weight
+    rows a program): the products of x and the bf16-rounded dequantized weight, K in slices or not, rows past a
+    tile's 64 weight rows masked; x stays 16-bit (no Int8Rows). GGUF's 32-column groups too, the widest included.
+    (The interpreter's fp32 dots cost ~4e-5 here, widening x's way too; on a GPU the bound is 1e-5: below.)"""
+    w = int4_quantize(torch.randn(n, k) * 0.1, group_size=group).to(DEV)
+    x = rand(rows, k)
+    assert CUDA._wide_int4(x, w) and not CUDA._takes_int8_rows(x, w)
+    want = x.double() @ w.dequantize(torch.bfloat16).double().T
+    assert nmse(CUDA.linear(x, w), want) < 1e-4
+
+
+def test_wide_int4_route_leaves_what_it_does_not_win(wide_int4, monkeypatch):
+    """Up to 16 rows, the widest weights meeting Int8Rows up to 32 rows, small weights, weights of fewer than
+    INT4_WIDE_MIN_N outputs and row-invariant graphs keep their routes."""
+    large = int4_quantize(torch.randn(64, 256), group_size=128).to(DEV)
+    widest = int4_quantize(torch.randn(1024, 256), group_size=128).to(DEV)
+    assert CUDA._wide_int4(rand(17, 256), large) and not CUDA._wide_int4(rand(16, 256), large)
+    assert not CUDA._wide_int4(rand(65, 256), large)
+    assert not CUDA._wide_int4(rand(32, 256), widest) and CUDA._takes_int8_rows(rand(32, 256), widest)
+    assert CUDA._wide_int4(rand(33, 256), widest)
+    assert not CUDA._wide_int4(rand(20, 256), int4_quantize(torch.randn(40, 256), group_size=128).to(DEV))
+    monkeypatch.setattr(kernels_module, "INT4_WIDE_MIN_N", 128)
+    assert not CUDA._wide_int4(rand(20, 256), large) and not CUDA._wide_int4(rand(40, 256), large)
+    assert CUDA._takes_int8_rows(rand(20, 256), large)
+    kernels = CudaKernels()
+    kernels.row_invariant = True
+    assert not kernels._wide_int4(rand(20, 256), large)
+
+
+def test_silu_ahead_of_a_wide_int4_down_projection_writes_16_bit_rows(wide_int4):
+    """Where the down projection is widened as the first operand, the SiLU hands it 16-bit rows, not Int8Rows,
+    and the step's output is the 16-bit SiLU's through that projection."""
+    x, res, w_norm = rand(20, 256), rand(20, 256), rand(256)
+    gate_up = int4_quantize(torch.randn(2 * 192, 256), group_size=128).to(DEV)
+    down = int4_quantize(torch.randn(256, 192), group_size=64).to(DEV)
+    act, _ = CUDA.norm_linear(x, res, w_norm, 1e-6, gate_up, silu=True, feeds=down)
+    assert isinstance(act, torch.Tensor) and act.shape == (20, 192)
+    normed, _ = CUDA.add_rmsnorm(x, res, w_norm, 1e-6)
+    assert torch.equal(act, CUDA.silu_and_mul(CUDA.linear(normed, gate_up)))
+
+
+def test_int4_wide_config_follows_the_weight():
+    cfg = kernels_module.int4_wide_config
+    assert cfg(12288, 2048, 64, 128) == (64, 128, 2, 2) and cfg(24576, 4096, 40, 128) == (64, 128, 2, 2)  # gate/up
+    assert cfg(2560, 9728, 64, 128) == (64, 256, 3, 2) and cfg(4096, 4096, 20, 128) == (64, 256, 3, 2)  # down, o
+    assert cfg(6144, 2560, 64, 128) == (64, 256, 3, 1) and cfg(6144, 2560, 32, 128) == (64, 256, 3, 2)  # qkv
+    assert cfg(4096, 2048, 64, 128) == (64, 256, 3, 2)  # 1.7B's qkv: 64 tiles of outputs, so K in two slices
+    assert cfg(1024, 576, 64, 32) == (64, 64, 3, 2)  # steps halved to whole groups that divide K
+    assert cfg(256, 96, 64, 64) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled GEMM at full size needs a GPU")
+@pytest.mark.parametrize("n,k,rows", [(2560, 9728, 48), (19456, 2560, 64), (6144, 4096, 24)])
+def test_wide_int4_at_full_size_gives_the_product(n, k, rows):
+    """Qwen3-4B's down and gate/up, 8B's qkv at 24-64 rows through the wide route: x times the bf16-rounded
+    dequantized weight (the pass + bf16 GEMM's products) within fp32 summation of the float64 product."""
+    w = int4_quantize(torch.randn(n, k, device=DEV) * 0.02, group_size=128)
+    x = rand(rows, k)
+    kernels = CudaKernels()
+    assert kernels._wide_int4(x, w)
+    assert nmse(kernels.linear(x, w), x.double() @ w.dequantize(torch.bfloat16).double().T) < 1e-5
 
 
 def test_int4_int8_config_follows_the_weight():

@@ -64,6 +64,13 @@ SKINNY_MAX_ROWS = 64
 # weights meeting Int8Rows (_meets_int8_rows; Qwen3-8B, captured steps against widening: 32 rows 16,264 -> 6,799
 # us; at 64 rows against the pass 11,239 -> 11,361, so the pass stays).
 INT4_SKINNY_MAX_ROWS = 32
+# Large int4 weights (LARGE_WEIGHT) of at least INT4_WIDE_MIN_N outputs at 17-64 rows are widened as the skinny
+# GEMM's first operand instead (_wide_int4, int4_wide_config), but for the widest (gate/up, outputs >= 4 x K) up to
+# 32 rows, where Int8Rows stay ahead on 4B. One call on an H200 against the route before (Int8Rows up to 32 rows,
+# the pass above), us: 8B down 53.6 -> 36.3 at 32 rows, 76.2 -> 43.0 at 64; 4B gate/up 72.5 -> 44.4 at 64. Fewer
+# outputs make too few programs of 64 weight rows: with 1.7B's down projection (2,048) wide, its int4 engine
+# decoded 5-7% slower at 24 and 32 rows (docs/benchmarks.md, session 24).
+INT4_WIDE_ROWS, INT4_WIDE_MIN_N = (17, 64), 2560
 # Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized by the
 # attention kernel, a scale per token and kv group (heads_per_scale), no pass between (H200, Qwen3 shape, captured
 # fp8 + e5m2 steps with a scale a head: 64 rows 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 ->
@@ -926,7 +933,7 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
                         M, N, K, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
                         LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr, X_GROUP: tl.constexpr = 0,
-                        INT8_X: tl.constexpr = False, x_sum_ptr=None):
+                        INT8_X: tl.constexpr = False, x_sum_ptr=None, W_AS_A: tl.constexpr = False):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
@@ -936,6 +943,9 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
     INT4 (WKIND 2): with INT8_X, x arrives as Int8Rows (x_scale_ptr, x_sum_ptr: its scales and sums) and meets
     the nibbles on the int8 tensor cores (_int4_int8_step); otherwise each W tile is widened to x's dtype in
     registers (_int4_tile, as the dequantization pass does), so the products are those of the dequantized weight.
+    W_AS_A (int4 widened): the widened tile is the dot's first operand, which Hopper's wgmma takes from registers
+    (x, the second, from shared memory), and BLOCK_N = 64 weight rows fill its 64-row side whatever the batch;
+    otherwise x's rows, padded to 16, are the first and the weight goes the mma's way (int4_wide_config).
     SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
     multiples), so a few-MB weight is streamed by SPLIT_K times more programs. Each stores its fp32 partial tile
     in part_ptr and counts itself in count_ptr[tile]; the last to arrive adds the partials in slice order (the
@@ -954,7 +964,7 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
         cols = split * k_slice + tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, k_slice - 1)
         _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * K + cols[None, :])
     _after_producer(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_AS_A else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(split * k_slice, (split + 1) * k_slice, BLOCK_K):
         if X_GROUP > 0:
             SUB: tl.constexpr = min(BLOCK_K, X_GROUP)
@@ -976,7 +986,12 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
                                True).to(x.dtype)
             else:
                 w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
-            acc += _dot(x, tl.trans(w))
+            if W_AS_A:
+                acc = _dot(w, tl.trans(x), acc)
+            else:
+                acc += _dot(x, tl.trans(w))
+    if W_AS_A:
+        acc = tl.trans(acc)
     tile_offs = rm[:, None] * N + rn[None, :]
     last = True
     if SPLIT_K > 1:
@@ -1015,6 +1030,13 @@ def _int8_dot(a, b, acc=None):
 
 
 @triton.jit
+def _int4_row_bytes(K, GROUP: tl.constexpr):
+    """Bytes of a packed int4 row, K // 2, written so Triton sees them divide by GROUP // 2 (K holds whole groups):
+    from K // 2 it proves only what K's launch hint leaves, 8 bytes, and copies weight tiles 8 bytes a load."""
+    return (K // GROUP) * (GROUP // 2)
+
+
+@triton.jit
 def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok, K, k0, acc,
                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + x · Wᵀ over columns k0 .. k0 + BLOCK_K for int4 rows and x as Int8Rows of the weight's group: the
@@ -1030,8 +1052,8 @@ def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_pt
         x_at = rm * (K // GROUP) + first // GROUP
         x_scale = tl.load(x_scale_ptr + x_at, mask=m_ok, other=0.0)
         x_sum = tl.load(x_sum_ptr + x_at, mask=m_ok, other=0.0)
-        p = tl.load(w_ptr + rn[:, None] * (K // 2) + (first // 2 + tl.arange(0, HALF))[None, :], mask=n_ok[:, None],
-                    other=0)
+        p = tl.load(w_ptr + rn[:, None] * _int4_row_bytes(K, GROUP) + (first // 2 + tl.arange(0, HALF))[None, :],
+                    mask=n_ok[:, None], other=0)
         d = _int8_dot(x_odd, tl.trans((p >> 4).to(tl.int8)), _int8_dot(x_even, tl.trans((p & 0xF).to(tl.int8))))
         w_at = rn * (K // GROUP) + first // GROUP
         s = tl.load(scales_ptr + w_at, mask=n_ok, other=0.0)
@@ -1071,7 +1093,7 @@ def _int4_tile(packed_ptr, scales_ptr, offsets_ptr, rows, rows_ok, K, first, GRO
     else:
         p_ok = rows_ok[:, None] & (half < K // 2)[None, :]
         g_ok = rows_ok[:, None] & (g < K // GROUP)[None, :]
-    p = tl.load(packed_ptr + rows[:, None] * (K // 2) + half[None, :], mask=p_ok, other=0)
+    p = tl.load(packed_ptr + rows[:, None] * _int4_row_bytes(K, GROUP) + half[None, :], mask=p_ok, other=0)
     q = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_R, BLOCK_K)).to(tl.float32)
     s = tl.load(scales_ptr + rows[:, None] * (K // GROUP) + g[None, :], mask=g_ok, other=0.0)
     o = tl.load(offsets_ptr + rows[:, None] * (K // GROUP) + g[None, :], mask=g_ok, other=0.0)
@@ -1339,6 +1361,23 @@ def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, in
     if k >= 1536:
         return 16, block_k, 3, 4 if rows > 16 and k >= 2048 else 2
     return (32 if rows <= 16 else 16), block_k, 3, 1
+
+
+def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int] | None:
+    """skinny_config for large int4 weights widened as the dot's first operand (W_AS_A; _wide_int4 says where):
+    64 weight rows a program (one wgmma tile), 256 columns a step and K in two slices; the widest weights (gate/up,
+    outputs >= 4 x K) 128 columns and two stages, qkv-like ones of 6,144+ outputs (96+ programs) one slice above
+    32 rows. The
+    fastest of 31 configs, or within 2% of it, on Qwen3 1.7B / 4B / 8B's weights at 32, 48 and 64 rows (H200,
+    docs/benchmarks.md, session 24). Steps are halved until they divide K; None where no step of whole groups does."""
+    block_k = 128 if n >= 4 * k else 256
+    while k % block_k and block_k > group:
+        block_k //= 2
+    if k % block_k or block_k % group:
+        return None
+    if n >= 4 * k:
+        return 64, block_k, 2, 2
+    return 64, block_k, 3, 1 if rows > 32 and k < n and n >= 6144 else 2
 
 
 def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int]:
@@ -1798,7 +1837,7 @@ class CudaKernels(ReferenceKernels):
             out = self.skinny_gemm(x, w)
         elif self._gemv_route(x, w):
             out = self.gemv(x, w, live=live)
-        elif self._skinny_fits(x, w):
+        elif self._wide_int4(x, w) or self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
         elif isinstance(w, Int4Weight):
             # Larger batches: one dequantization pass, then the 16-bit path (the skinny GEMM up to 64 rows, else
@@ -1839,7 +1878,8 @@ class CudaKernels(ReferenceKernels):
         n = w.shape[0]
         out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
         kind, data, scales, offsets, group = self._weight_kind(w)
-        if kind == INT4 and _meets_int8_rows(w) and not isinstance(x, Int8Rows):
+        wide = kind == INT4 and not isinstance(x, Int8Rows) and self._wide_int4(x, w)
+        if kind == INT4 and _meets_int8_rows(w) and not isinstance(x, Int8Rows) and not wide:
             x = self.int8_quantize_rows(x, group)
         int8 = isinstance(x, Int8Rows)
         if kind == FP8:
@@ -1854,6 +1894,7 @@ class CudaKernels(ReferenceKernels):
         tile_rows = 16 if self.row_invariant else rows
         if config is None:
             config = (int4_int8_config(n, k, tile_rows, group) if int8
+                      else int4_wide_config(n, k, tile_rows, group) if wide
                       else int4_skinny_config(k, tile_rows, group) if kind == INT4
                       else skinny_config(n, k, tile_rows, data.element_size()))
         block_n, block_k, stages, split_k = config
@@ -1868,7 +1909,7 @@ class CudaKernels(ReferenceKernels):
             WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
             num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
             LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], X_GROUP=x_group,
-            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, **self._pdl)
+            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, W_AS_A=wide, **self._pdl)
         return out if keys is None else keys
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
@@ -1925,7 +1966,18 @@ class CudaKernels(ReferenceKernels):
         """Whether linear(x, w) takes x as Int8Rows (large int4 weights of 64+-column groups, in the skinny GEMM):
         then x's producer can write them, saving int8_quantize_rows' pass."""
         return (isinstance(w, Int4Weight) and _meets_int8_rows(w) and not self._gemv_route(x, w)
-                and self._skinny_fits(x, w))
+                and not self._wide_int4(x, w) and self._skinny_fits(x, w))
+
+    def _wide_int4(self, x, w) -> bool:
+        """Whether linear(x, w) widens int4 w as the skinny GEMM's first operand (INT4_WIDE_ROWS). Not in
+        row-invariant graphs, whose rows keep the route of every bucket size."""
+        rows = x.shape[0]
+        if (not isinstance(w, Int4Weight) or self.row_invariant or x.dtype not in (torch.bfloat16, torch.float16)
+                or not INT4_WIDE_ROWS[0] <= rows <= INT4_WIDE_ROWS[1] or w.shape[0] < INT4_WIDE_MIN_N
+                or not _large_weight(*w.shape) or int4_wide_config(*w.shape, rows, w.group_size) is None):
+            return False
+        n, k = w.shape
+        return rows > INT4_SKINNY_MAX_ROWS or not (n >= 4 * k and _meets_int8_rows(w))
 
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
