@@ -943,9 +943,9 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
     INT4 (WKIND 2): with INT8_X, x arrives as Int8Rows (x_scale_ptr, x_sum_ptr: its scales and sums) and meets
     the nibbles on the int8 tensor cores (_int4_int8_step); otherwise each W tile is widened to x's dtype in
     registers (_int4_tile, as the dequantization pass does), so the products are those of the dequantized weight.
-    W_AS_A (int4 widened): the widened tile is the dot's first operand, which Hopper's wgmma takes from registers
-    (x, the second, from shared memory), and BLOCK_N = 64 weight rows fill its 64-row side whatever the batch;
-    otherwise x's rows, padded to 16, are the first and the weight goes the mma's way (int4_wide_config).
+    W_AS_A (int4, widened): the widened weight tile is the dot's first operand, which Hopper's wgmma reads from
+    registers (x, the second, from shared memory), and 64 weight rows fill wgmma's 64-row side whatever the batch
+    (int4_wide_config); otherwise x's rows are the first operand and the widened tile the second.
     SPLIT_K > 1: program (n, m, s) multiplies the s-th slice of K (K divides into SPLIT_K slices of BLOCK_K
     multiples), so a few-MB weight is streamed by SPLIT_K times more programs. Each stores its fp32 partial tile
     in part_ptr and counts itself in count_ptr[tile]; the last to arrive adds the partials in slice order (the
@@ -1030,13 +1030,6 @@ def _int8_dot(a, b, acc=None):
 
 
 @triton.jit
-def _int4_row_bytes(K, GROUP: tl.constexpr):
-    """Bytes of a packed int4 row, K // 2, written so Triton sees them divide by GROUP // 2 (K holds whole groups):
-    from K // 2 it proves only what K's launch hint leaves, 8 bytes, and copies weight tiles 8 bytes a load."""
-    return (K // GROUP) * (GROUP // 2)
-
-
-@triton.jit
 def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok, K, k0, acc,
                     GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc + x · Wᵀ over columns k0 .. k0 + BLOCK_K for int4 rows and x as Int8Rows of the weight's group: the
@@ -1052,8 +1045,8 @@ def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_pt
         x_at = rm * (K // GROUP) + first // GROUP
         x_scale = tl.load(x_scale_ptr + x_at, mask=m_ok, other=0.0)
         x_sum = tl.load(x_sum_ptr + x_at, mask=m_ok, other=0.0)
-        p = tl.load(w_ptr + rn[:, None] * _int4_row_bytes(K, GROUP) + (first // 2 + tl.arange(0, HALF))[None, :],
-                    mask=n_ok[:, None], other=0)
+        p = tl.load(w_ptr + rn[:, None] * (K // 2) + (first // 2 + tl.arange(0, HALF))[None, :], mask=n_ok[:, None],
+                    other=0)
         d = _int8_dot(x_odd, tl.trans((p >> 4).to(tl.int8)), _int8_dot(x_even, tl.trans((p & 0xF).to(tl.int8))))
         w_at = rn * (K // GROUP) + first // GROUP
         s = tl.load(scales_ptr + w_at, mask=n_ok, other=0.0)
@@ -1093,7 +1086,7 @@ def _int4_tile(packed_ptr, scales_ptr, offsets_ptr, rows, rows_ok, K, first, GRO
     else:
         p_ok = rows_ok[:, None] & (half < K // 2)[None, :]
         g_ok = rows_ok[:, None] & (g < K // GROUP)[None, :]
-    p = tl.load(packed_ptr + rows[:, None] * _int4_row_bytes(K, GROUP) + half[None, :], mask=p_ok, other=0)
+    p = tl.load(packed_ptr + rows[:, None] * (K // 2) + half[None, :], mask=p_ok, other=0)
     q = tl.reshape(tl.join(p & 0xF, p >> 4), (BLOCK_R, BLOCK_K)).to(tl.float32)
     s = tl.load(scales_ptr + rows[:, None] * (K // GROUP) + g[None, :], mask=g_ok, other=0.0)
     o = tl.load(offsets_ptr + rows[:, None] * (K // GROUP) + g[None, :], mask=g_ok, other=0.0)
@@ -1367,9 +1360,9 @@ def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
     """skinny_config for large int4 weights widened as the dot's first operand (W_AS_A; _wide_int4 says where):
     64 weight rows a program (one wgmma tile), 256 columns a step and K in two slices; the widest weights (gate/up,
     outputs >= 4 x K) 128 columns and two stages, qkv-like ones of 6,144+ outputs (96+ programs) one slice above
-    32 rows. The
-    fastest of 31 configs, or within 2% of it, on Qwen3 1.7B / 4B / 8B's weights at 32, 48 and 64 rows (H200,
-    docs/benchmarks.md, session 24). Steps are halved until they divide K; None where no step of whole groups does."""
+    32 rows. The fastest of 31 configs, or within 2% of it, on Qwen3 1.7B / 4B / 8B's weights at 32, 48 and 64 rows
+    but 1.7B's gate/up (8%: three stages there; H200, docs/benchmarks.md, session 24). Steps are halved until they divide K; None where no step of whole groups
+    does."""
     block_k = 128 if n >= 4 * k else 256
     while k % block_k and block_k > group:
         block_k //= 2
