@@ -181,3 +181,26 @@ def test_ptx_census_shows_the_int4_gemv_reading_four_words_a_load(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "ptx_census.py"), "--shape", "6144"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "give outputs x columns" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_int4_routes_names_the_route_each_projection_takes(monkeypatch):
+    """bench_int4_routes.py (importable without a GPU) takes the projections' shapes from the model config and
+    names the route CudaKernels.linear picks for a Qwen3-4B down projection: the GEMV at one row, Int8Rows at 16,
+    the wide route at 64 and, with it switched off, the dequantization pass there; without a GPU it exits 2."""
+    pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_int4_routes", BENCH / "bench_int4_routes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.projections(bench.CONFIGS["qwen3-4b"])
+    assert shapes == {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
+    from flashnext.core.precision import Int4Weight
+    from flashnext.plugins.cuda.kernels import CudaKernels
+    down = Int4Weight(torch.zeros(2560, 4864, dtype=torch.uint8), torch.ones(2560, 76), torch.zeros(2560, 76), 128)
+    kernels = CudaKernels()
+    assert [bench.route(kernels, torch.zeros(r, 9728, dtype=torch.bfloat16), down) for r in (1, 16, 64)] == [
+        "gemv", "int8 rows", "wide"]
+    monkeypatch.setattr(CudaKernels, "_wide_int4", lambda self, x, w: False)
+    assert bench.route(kernels, torch.zeros(64, 9728, dtype=torch.bfloat16), down) == "pass + bf16"
+    if not torch.cuda.is_available():
+        assert bench.main(["--shapes", "qwen3-4b"]) == 2  # a clear line, no traceback
