@@ -1361,8 +1361,8 @@ def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
     64 weight rows a program (one wgmma tile), 256 columns a step and K in two slices; the widest weights (gate/up,
     outputs >= 4 x K) 128 columns and two stages, qkv-like ones of 6,144+ outputs (96+ programs) one slice above
     32 rows. The fastest of 31 configs, or within 2% of it, on Qwen3 1.7B / 4B / 8B's weights at 32, 48 and 64 rows
-    but 1.7B's gate/up (8%: three stages there; H200, docs/benchmarks.md, session 24). Steps are halved until they divide K; None where no step of whole groups
-    does."""
+    but 1.7B's gate/up (8%: three stages there; H200, docs/benchmarks.md, session 24). Steps are halved until they
+    divide K; None where no step of whole groups does."""
     block_k = 128 if n >= 4 * k else 256
     while k % block_k and block_k > group:
         block_k //= 2
