@@ -1037,17 +1037,21 @@ def wide_int4(large_int4, monkeypatch):
     monkeypatch.setattr(kernels_module, "INT4_WIDE_MIN_N", 64)
 
 
-@pytest.mark.parametrize("group,rows,n,k", [(128, 17, 64, 512), (64, 32, 96, 320), (128, 40, 128, 256),
-                                             (32, 64, 64, 384), (32, 20, 512, 128)])
-def test_large_int4_weights_at_17_to_64_rows_widen_as_the_first_operand(group, rows, n, k, wide_int4):
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("group,rows,n,k,dtype", [(128, 17, 64, 512, BF16), (64, 32, 96, 320, BF16),
+                                                   (128, 40, 128, 256, FP16), (32, 64, 64, 384, BF16),
+                                                   (32, 20, 512, 128, BF16)])
+def test_large_int4_weights_at_17_to_64_rows_widen_as_the_first_operand(group, rows, n, k, dtype, wide_int4):
     """At 17-64 rows large int4 weights are widened to bf16 as the skinny GEMM's first operand (W_AS_A, 64 weight
     rows a program): the products of x and the bf16-rounded dequantized weight, K in slices or not, rows past a
-    tile's 64 weight rows masked; x stays 16-bit (no Int8Rows). GGUF's 32-column groups too, the widest included.
+    tile's 64 weight rows masked; x stays 16-bit (no Int8Rows), fp16 too. GGUF's 32-column groups, the widest too.
     (The interpreter's fp32 dots cost ~4e-5 here, widening x's way too; on a GPU the bound is 1e-5: below.)"""
     w = int4_quantize(torch.randn(n, k) * 0.1, group_size=group).to(DEV)
-    x = rand(rows, k)
+    x = rand(rows, k, dtype=dtype)
     assert CUDA._wide_int4(x, w) and not CUDA._takes_int8_rows(x, w)
-    want = x.double() @ w.dequantize(torch.bfloat16).double().T
+    want = x.double() @ w.dequantize(dtype).double().T
     assert nmse(CUDA.linear(x, w), want) < 1e-4
 
 
