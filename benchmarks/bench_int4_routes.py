@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from bench_cuda import rotating_time_us
 from bench_shapes import CONFIGS, names
 from flashnext.core.precision import Int4Weight, int4_quantize
 from flashnext.plugins.cuda.kernels import CudaKernels
@@ -42,25 +43,8 @@ def route(kernels: CudaKernels, x, w: Int4Weight) -> str:
 
 
 def us_a_call(call, copies: int) -> float:
-    """Median of five replays of a graph of max(32, copies) calls, call(i) using copy i % copies."""
-    calls = max(32, copies)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        call(0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            call(i % copies)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[2]
+    """µs a call, call(i) taking copy i of the weight in turn (bench_cuda's graph timing)."""
+    return rotating_time_us(call, copies, iters=max(112, copies))
 
 
 def measure(kernels: CudaKernels, shape: str, proj: str, n: int, k: int, rows_list: list[int], group: int) -> list:

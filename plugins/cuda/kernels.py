@@ -1830,7 +1830,7 @@ class CudaKernels(ReferenceKernels):
             out = self.skinny_gemm(x, w)
         elif self._gemv_route(x, w):
             out = self.gemv(x, w, live=live)
-        elif self._wide_int4(x, w) or self._skinny_fits(x, w):
+        elif self._skinny_fits(x, w):
             out = self.skinny_gemm(x, w)
         elif isinstance(w, Int4Weight):
             # Larger batches: one dequantization pass, then the 16-bit path (the skinny GEMM up to 64 rows, else
@@ -1847,9 +1847,10 @@ class CudaKernels(ReferenceKernels):
         unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too (and wide outputs
         of which only greedy_keys' argmax is wanted: keys_only). Int4 weights up to
         INT4_SKINNY_MAX_ROWS rows (in row-invariant graphs any count, as a pass and a 16-bit GEMM sum in another
-        order) where a K step of whole groups divides K or they meet Int8Rows (_meets_int8_rows)."""
+        order) where a K step of whole groups divides K or they meet Int8Rows (_meets_int8_rows), and large ones
+        widened as the first operand up to 64 rows (_wide_int4)."""
         if isinstance(w, Int4Weight):
-            return ((x.shape[0] <= INT4_SKINNY_MAX_ROWS or self.row_invariant)
+            return ((x.shape[0] <= INT4_SKINNY_MAX_ROWS or self.row_invariant or self._wide_int4(x, w))
                     and x.dtype in (torch.bfloat16, torch.float16)
                     and (_meets_int8_rows(w) or int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None))
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
