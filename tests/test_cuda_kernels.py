@@ -1113,7 +1113,9 @@ def test_int4_int8_config_follows_the_weight():
     assert cfg(24576, 4096, 4, 128) == (64, 128, 3, 1) and cfg(19456, 2560, 4, 128) == (32, 128, 4, 1)  # gate/up
     assert cfg(4096, 12288, 8, 128) == (32, 512, 3, 2) and cfg(2560, 9728, 8, 128) == (32, 256, 3, 2)  # down
     assert cfg(2560, 4096, 2, 128) == (32, 512, 3, 1) and cfg(6144, 4096, 16, 128) == (32, 256, 3, 2)  # o, qkv
-    assert cfg(4096, 12288, 64, 128) == (64, 256, 3, 2) and cfg(6144, 4096, 32, 128) == (64, 128, 4, 2)
+    # 17-32 rows: one config for every weight (1.7B's gate/up and down at 24 / 32 rows), steps halved to divide K
+    assert cfg(12288, 2048, 24, 128) == (64, 256, 3, 2) and cfg(2048, 6144, 32, 128) == (64, 256, 3, 2)
+    assert cfg(1024, 384, 24, 128) == (64, 128, 3, 2)
     assert cfg(96, 320, 4, 64) == (32, 64, 3, 2)  # steps halved to a group that divides K (skinny_gemm: one slice)
 
 

@@ -1380,11 +1380,12 @@ def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
     columns, one slice, 64 weight rows and three stages from K = 4,096; the rest (qkv) 256 columns in two
     slices. The fastest of 54 configs at 2 / 4 / 8 / 16 rows on Qwen3 1.7B / 4B / 8B's large weights, or within 7%
     of it, but 1.7B's qkv (12-18%: one rule for qkv; H200, docs/benchmarks.md, session 20). 17-32 rows (programs
-    of 32 rows of x): 64 weight rows, 128 columns and four stages, K in two slices, or 256 columns and three
-    stages past 8,192 columns (the fastest of 9 configs for Qwen3-8B's weights at 64 rows in exp116; not swept at
-    32). Steps are halved until they divide K (a group divides it)."""
+    of 32 rows of x; the weights the wide route leaves them: gate/up, and 1.7B's down with its 2,048 outputs): 64
+    weight rows, 256 columns and three stages, K in two slices (the fastest of 11 configs at 24 and 32 rows for
+    1.7B's gate/up and down, 17-19% and 8% ahead of 128 columns in four stages; within 2% of the fastest for 4B's
+    and 8B's gate/up; session 25). Steps are halved until they divide K (a group divides it)."""
     if rows > 16:
-        block_n, block_k, stages, split_k = (64, 256, 3, 2) if k > 8192 else (64, 128, 4, 2)
+        block_n, block_k, stages, split_k = 64, 256, 3, 2
     elif k >= n:
         block_n, block_k, stages, split_k = 32, (512 if k % 1024 == 0 else 256), 3, (2 if k >= 2 * n else 1)
     elif n >= 4 * k:
