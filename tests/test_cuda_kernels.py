@@ -1073,6 +1073,26 @@ def test_wide_int4_route_leaves_what_it_does_not_win(wide_int4, monkeypatch):
     assert not kernels._wide_int4(rand(20, 256), large)
 
 
+@pytest.mark.parametrize("rows,serial", [(17, True), (32, True), (33, False), (64, False)])
+def test_wide_int4_gemm_starts_after_its_producer_up_to_32_rows(rows, serial, wide_int4, monkeypatch):
+    """Up to INT4_WIDE_SERIAL_ROWS rows the wide route's GEMM is launched without programmatic dependent launch
+    (it starts once its producer has finished); above, and for the other skinny GEMMs, with it where it is on."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append(options)
+
+    monkeypatch.setattr(kernels_module, "_skinny_gemm_kernel", Recorder())
+    kernels = CudaKernels(pdl=True)
+    large = int4_quantize(torch.randn(64, 256), group_size=128).to(DEV)
+    x = rand(rows, 256)
+    assert kernels._wide_int4(x, large)
+    kernels.skinny_gemm(x, large)
+    kernels.skinny_gemm(x, large.dequantize(torch.bfloat16))
+    assert [(o["PDL"], o["launch_pdl"]) for o in launches] == [(not serial, not serial), (True, True)]
+
+
 def test_silu_ahead_of_a_wide_int4_down_projection_writes_16_bit_rows(wide_int4):
     """Where the down projection is widened as the first operand, the SiLU hands it 16-bit rows, not Int8Rows,
     and the step's output is the 16-bit SiLU's through that projection."""

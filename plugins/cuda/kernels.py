@@ -71,6 +71,11 @@ INT4_SKINNY_MAX_ROWS = 32
 # outputs make too few programs of 64 weight rows: with 1.7B's down projection (2,048) wide, its int4 engine
 # decoded 5-7% slower at 24 and 32 rows (docs/benchmarks.md, session 24).
 INT4_WIDE_ROWS, INT4_WIDE_MIN_N = (17, 64), 2560
+# Up to this many rows the wide route's GEMM starts when its producer has finished, not under programmatic dependent
+# launch: engine int4 decode at 24 and 32 rows 12-13% faster on Qwen3-4B and 8B, 2-3% on 1.7B; at 64 rows PDL stays
+# (4B 3% slower without). Only this route gains: every skinny GEMM so launched made bf16 and fp8 decode 2-12% slower
+# (H200, docs/benchmarks.md, session 25).
+INT4_WIDE_SERIAL_ROWS = 32
 # Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized by the
 # attention kernel, a scale per token and kv group (heads_per_scale), no pass between (H200, Qwen3 shape, captured
 # fp8 + e5m2 steps with a scale a head: 64 rows 1,276.9 -> 1,253.8 us; 16 rows unchanged; 32 rows 1,225.8 ->
@@ -1904,8 +1909,13 @@ class CudaKernels(ReferenceKernels):
             WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
             num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
             LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], X_GROUP=x_group,
-            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, W_AS_A=wide, **self._pdl)
+            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, W_AS_A=wide, **self._skinny_pdl(wide, rows))
         return out if keys is None else keys
+
+    def _skinny_pdl(self, wide: bool, rows: int) -> dict:
+        """The skinny GEMM's launch options: the wide route up to INT4_WIDE_SERIAL_ROWS rows without programmatic
+        dependent launch, everything else as the other kernels."""
+        return {"PDL": False, "launch_pdl": False} if wide and rows <= INT4_WIDE_SERIAL_ROWS else self._pdl
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
         """128-byte lines of each weight row the skinny GEMM asks L2 for before its wait: fp8 weights only (an
