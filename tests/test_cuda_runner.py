@@ -158,3 +158,14 @@ def test_an_fp8_checkpoint_runs_in_fp8_where_the_gpu_has_fp8_tensor_cores(tmp_pa
     ids = list(range(5, 45))
     ours, ref = engine_logits(gpu, ids).float().cpu(), engine_logits(exact, ids)
     assert 0 < float((ours - ref).pow(2).sum() / ref.pow(2).sum()) < 3e-2
+
+
+def test_graph_buckets_reach_max_num_seqs():
+    """A listed size past max_num_seqs stands for max_num_seqs, so every batch up to it replays a graph; sizes a
+    profile lists below it are kept, and a profile listing none past it runs larger batches eagerly as it asked."""
+    from flashnext.plugins.cuda.runner import graph_buckets
+
+    assert graph_buckets([1, 2, 4, 8, 16, 32, 64, 128], 48) == [1, 2, 4, 8, 16, 32, 48]
+    assert graph_buckets([1, 2, 4, 8, 16, 32, 64], 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_buckets([8, 1, 4], 3) == [1, 3]
+    assert graph_buckets([1, 2, 4], 64) == [1, 2, 4]

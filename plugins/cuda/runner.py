@@ -77,6 +77,13 @@ _VERIFY_INT_FIELDS = ("input_ids", "positions", "slots", "noise_seed", "top_k")
 _SPEC_FIELDS = ("ntok", "cap", "max_pos", "request_seed")
 
 
+def graph_buckets(sizes: list[int], max_num_seqs: int) -> list[int]:
+    """The decode graphs' batch sizes: the profile's, a size past max_num_seqs standing for max_num_seqs itself, so
+    that a batch between the last size under it and max_num_seqs pads to a graph instead of running eagerly (with
+    max_num_seqs 48, batches of 33-48 ran eagerly: Qwen3-4B int4 decode 2,128 tok/s at 40 against 6,573 at 32)."""
+    return sorted({min(b, max_num_seqs) for b in sizes if b > 0})
+
+
 def copy_yield(tokens: list[int], start: int, k: int) -> float:
     """Tokens a verify step would have gained on average over tokens[start:] had spec decoded them: each step
     drafts k tokens by prompt lookup from the tokens before it, keeps those that came, and adds the next token."""
@@ -136,7 +143,7 @@ class CudaGraphRunner(ModelRunner):
         # Graphs hand no hidden states to the host: n-gram drafting needs none, MTP drafting does (stays eager).
         self.use_graphs = profile.cuda_graphs and profile.spec != "mtp"
         self.verify_len = 1 + profile.spec_tokens if profile.spec == "ngram" else 0  # query rows a sequence
-        self.buckets = sorted({b for b in profile.graph_batch_sizes if 0 < b <= profile.max_num_seqs})
+        self.buckets = graph_buckets(profile.graph_batch_sizes, profile.max_num_seqs)
         self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
         # The chunk queued after _ahead's: ("decode", (graph, steps)) or ("spec", (graph key, steps)).
