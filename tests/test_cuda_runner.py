@@ -20,7 +20,7 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
-from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
+from flashnext.plugins.cuda.runner import CudaGraphRunner, graph_buckets  # noqa: E402
 
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,8 +163,6 @@ def test_an_fp8_checkpoint_runs_in_fp8_where_the_gpu_has_fp8_tensor_cores(tmp_pa
 def test_graph_buckets_reach_max_num_seqs():
     """A listed size past max_num_seqs stands for max_num_seqs, so every batch up to it replays a graph; sizes a
     profile lists below it are kept, and a profile listing none past it runs larger batches eagerly as it asked."""
-    from flashnext.plugins.cuda.runner import graph_buckets
-
     assert graph_buckets([1, 2, 4, 8, 16, 32, 64, 128], 48) == [1, 2, 4, 8, 16, 32, 48]
     assert graph_buckets([1, 2, 4, 8, 16, 32, 64], 64) == [1, 2, 4, 8, 16, 32, 64]
     assert graph_buckets([8, 1, 4], 3) == [1, 3]
