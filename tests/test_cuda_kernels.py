@@ -164,6 +164,92 @@ def test_int4_gemv_meets_x_as_int8_blocks(k, group_size):
     assert nmse(out, x.double() @ w.dequantize(torch.float64).T) > 1e-7
 
 
+def _packed_x_model(x: torch.Tensor, w) -> torch.Tensor:
+    """_int8_blocks_model at PACKED_BLOCK: what the int4 GEMV computes from a PackedX of x."""
+    return _int8_blocks_model(x, w, kernels_module.PACKED_BLOCK.value)
+
+
+@pytest.fixture
+def packs_any_row(monkeypatch):
+    """PackedX hand-overs for rows of any length (PACKED_X_MIN_K keeps them to long rows), at test shapes."""
+    monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)
+
+
+@pytest.mark.parametrize("rows,group_size", [(1, 128), (3, 32)])
+def test_int4_gemvs_hand_over_x_packed_with_the_residual_and_norm(rows, group_size, packs_any_row):
+    """fp32 rows: an int4 GEMV (o or down) writes its output + residual, times the next norm's weight, rounded in
+    blocks, as the next int4 GEMV's PackedX, and stores the new residual; the next GEMV's dots then take 1 / rms of
+    that sum: exactly x rounded in PACKED_BLOCK blocks times the dequantized weight, scaled by 1 / rms."""
+    w1 = int4_quantize(torch.randn(256, 96) * 0.1, group_size=32).to(DEV)
+    w2 = int4_quantize(torch.randn(40, 256) * 0.1, group_size=group_size).to(DEV)
+    x, residual, norm_w = rand(rows, 96, dtype=torch.float32), rand(rows, 256, dtype=torch.float32), rand(256)
+    residual[-1, 7] = 30.0  # an outlier coarsens its block only
+    packed, new_residual = CUDA.linear_into(x, w1, residual, norm_w, w2)
+    assert isinstance(packed, kernels_module.PackedX) and packed.shape == (rows, 256)
+    summed = CUDA.linear(x, w1) + residual
+    assert torch.equal(new_residual, summed)
+    out, passed_on = CUDA.norm_linear(packed, new_residual, norm_w, 1e-6, w2)
+    assert passed_on is new_residual
+    rms = torch.rsqrt(summed.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert nmse(out, _packed_x_model(summed * norm_w.float(), w2) * rms) < 1e-11
+    unpacked, _ = CUDA.norm_linear(CUDA.linear(x, w1), residual, norm_w, 1e-6, w2)
+    assert 1e-9 < nmse(out, unpacked) < 1e-3  # blocks of 16 columns here, of 32 there
+
+
+def test_the_silu_gemv_hands_the_down_projection_x_packed(packs_any_row):
+    """The gate/up GEMV (norm + SiLU) feeding an int4 down projection writes its activations as that one's
+    PackedX (no norm between: no sums of squares); the down GEMV computes them rounded in PACKED_BLOCK blocks.
+    Handed on packed again, 16-bit activations stay 16-bit outputs."""
+    x, residual, norm_w = rand(2, 64, dtype=torch.float32), rand(2, 64, dtype=torch.float32), rand(64)
+    gate_up = int4_quantize(torch.randn(2 * 96, 64) * 0.1, group_size=64).to(DEV)
+    down = int4_quantize(torch.randn(64, 96) * 0.1, group_size=32).to(DEV)
+    packed, new_residual = CUDA.norm_linear(x, residual, norm_w, 1e-6, gate_up, silu=True, feeds=down)
+    act, same_residual = CUDA.norm_linear(x, residual, norm_w, 1e-6, gate_up, silu=True)
+    assert isinstance(packed, kernels_module.PackedX) and packed.parts == 0
+    assert torch.equal(new_residual, same_residual)
+    assert nmse(CUDA.linear(packed, down), _packed_x_model(act, down)) < 1e-11
+    x16, residual16 = x.to(torch.bfloat16), residual.to(torch.bfloat16)
+    packed16, _ = CUDA.norm_linear(x16, residual16, norm_w, 1e-6, gate_up, silu=True, feeds=down)
+    down_packed, residual_out = CUDA.linear_into(packed16, down, residual16, norm_w, gate_up)
+    assert packed16.dtype == down_packed.dtype == torch.bfloat16 and residual_out.dtype == torch.bfloat16
+    assert CUDA.norm_linear(down_packed, residual_out, norm_w, 1e-6, gate_up, silu=True)[0].dtype == torch.bfloat16
+
+
+def test_x_is_packed_only_between_int4_register_gemvs(monkeypatch):
+    """Plain outputs and the residual as given where the next projection is not an int4 GEMV of rows of at least
+    PACKED_X_MIN_K columns (a short row, a 16-bit weight, more rows than the GEMV takes, the last layer's, packed_x
+    off)."""
+    w1 = int4_quantize(torch.randn(64, 64) * 0.1, group_size=64).to(DEV)
+    w2 = int4_quantize(torch.randn(32, 64) * 0.1, group_size=64).to(DEV)
+    residual, norm_w = rand(1, 64), rand(64)
+    off = CudaKernels()
+    off.packed_x = False
+    cases = [(CUDA, rand(1, 64), w2), (CUDA, rand(1, 64), rand(32, 64)), (CUDA, rand(8, 64), w2),
+             (CUDA, rand(1, 64), None), (off, rand(1, 64), w2)]
+    for i, (kernels, x, feeds) in enumerate(cases):
+        out, passed_on = kernels.linear_into(x, w1, residual[:1].expand(x.shape[0], 64), norm_w, feeds)
+        assert isinstance(out, torch.Tensor) and passed_on.data_ptr() == residual.data_ptr()
+        monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # the first case: too short a row
+    assert isinstance(CUDA.linear_into(rand(1, 64), w1, residual, norm_w, w2)[0], kernels_module.PackedX)
+
+
+def test_packed_rows_compute_as_one_row_calls(packs_any_row):
+    """A verify step's rows handed on packed (the GEMV up to gemv_max_rows rows) give exactly what one-row calls
+    give, as the decode step they check must reproduce."""
+    w1 = int4_quantize(torch.randn(64, 96) * 0.1, group_size=32).to(DEV)
+    w2 = int4_quantize(torch.randn(48, 64) * 0.1, group_size=64).to(DEV)
+    x, residual, norm_w = rand(5, 96), rand(5, 64), rand(64)
+    kernels = CudaKernels()
+    kernels.gemv_max_rows = 5
+
+    def chain(rows):
+        packed, new_residual = kernels.linear_into(x[rows], w1, residual[rows], norm_w, w2)
+        return kernels.norm_linear(packed, new_residual, norm_w, 1e-6, w2)[0]
+
+    together = chain(slice(0, 5))
+    assert all(torch.equal(together[i], chain(slice(i, i + 1))[0]) for i in range(5))
+
+
 def test_int4_gemv_keeps_non_finite_rows_non_finite():
     """Rounding x to int8 must not drop a NaN or inf: its row's outputs are NaN, as a float dot's would be, and the
     other rows stay finite."""

@@ -19,6 +19,7 @@ from flashnext.core.kernels import ReferenceKernels  # noqa: E402
 from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
+import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner, graph_buckets  # noqa: E402
 
@@ -26,9 +27,9 @@ from flashnext.plugins.cuda.runner import CudaGraphRunner, graph_buckets  # noqa
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _two_steps(loaded, kernels, runner_class):
+def _two_steps(loaded, kernels, runner_class, precision="fp32"):
     """A prefill of two prompts (one 20 tokens, one 7), then one decode step; the logits of both steps."""
-    model = DecoderModel(loaded.config, loaded.weights, kernels, PRECISIONS["fp32"], DEV, torch.float32)
+    model = DecoderModel(loaded.config, loaded.weights, kernels, PRECISIONS[precision], DEV, torch.float32)
     runner = runner_class(model, 16, 4, torch.float32)
     batch = []
     for i, prompt in enumerate((list(range(5, 25)), list(range(30, 37)))):
@@ -48,6 +49,28 @@ def test_fused_forward_matches_reference_forward(tiny_random):
     ref = _two_steps(tiny_random, ReferenceKernels(), ModelRunner)
     for a, b in zip(ours, ref):
         assert float((a - b).pow(2).sum() / b.pow(2).sum()) < 1e-5  # fp32; GPU dots round through tf32
+
+
+def test_int4_decode_hands_x_packed_from_gemv_to_gemv(tiny_random, monkeypatch):
+    """An int4 decode step's GEMVs hand x on packed (o -> gate/up, gate/up -> down, down -> the next layer's qkv):
+    its logits within the int8 rounding of the step with packed_x off, and the prefill (no GEMVs) unchanged."""
+    packs = []
+    gemv = CudaKernels.gemv
+
+    def spy(self, x, w, *args, pack=None, **kwargs):
+        packs.append(pack is not None)
+        return gemv(self, x, w, *args, pack=pack, **kwargs)
+
+    monkeypatch.setattr(CudaKernels, "gemv", spy)
+    monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # at this model's rows of 64 and 96 columns
+    runner_class = CudaGraphRunner.for_profile(Profile(name="basic"))
+    packed = _two_steps(tiny_random, CudaKernels(), runner_class, "int4")
+    assert sum(packs) == 3 * tiny_random.config.num_layers - 1
+    unpacked_kernels = CudaKernels()
+    unpacked_kernels.packed_x = False
+    unpacked = _two_steps(tiny_random, unpacked_kernels, runner_class, "int4")
+    assert torch.equal(packed[0], unpacked[0])
+    assert 0 < float((packed[1] - unpacked[1]).pow(2).sum() / unpacked[1].pow(2).sum()) < 1e-3
 
 
 def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny_random):

@@ -340,12 +340,18 @@ def test_lookahead_answers_only_the_steps_it_holds(tiny_random):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int4"])
-def test_verify_graph_gives_the_plain_tokens(precision):
-    """ngram with graphs == none, batch 1 and batched, greedy and seeded, in 16-bit and int4 (x as int8 blocks) too:
-    the verify rows run the decode step's row-invariant kernels, so near-ties round the same way in both; rows
-    past a step's drafts and a bucket's padding row are skipped without changing a live row."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int4", "int4-packed"])
+def test_verify_graph_gives_the_plain_tokens(precision, monkeypatch):
+    """ngram with graphs == none, batch 1 and batched, greedy and seeded, in 16-bit and int4 (x as int8 blocks) too,
+    with x handed on packed between GEMVs too (int4-packed): the verify rows run the decode step's row-invariant
+    kernels, so near-ties round the same way in both; rows past a step's drafts and a bucket's padding row are
+    skipped without changing a live row."""
     from flashnext.core.llm import LLM
+    import flashnext.plugins.cuda.kernels as kernels_module
+
+    if precision == "int4-packed":
+        precision = "int4"
+        monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # SmolLM2's rows are short
 
     loaded = random_model("smollm2-135m", torch.device("cuda"))
     motifs = torch.randint(0, 49152, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()

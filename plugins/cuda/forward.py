@@ -1,12 +1,13 @@
-"""The decoder forward pass on the fused CUDA kernels: six launches a layer in a small-batch decode step.
+"""The decoder forward pass on the fused CUDA kernels: six launches a layer in a small-batch decode step (qkv GEMV,
+split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV, down GEMV).
 
 Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so that each rmsnorm rides in the
 prologue of the projection after it (the final one too where the vocabulary projection is a GEMV: quantized
 heads; otherwise it is the skinny GEMM or cuBLAS after a norm pass, see logits_of, and a greedy step's argmax
-rides in that skinny GEMM, see greedy_keys_of), q/k norm + rope
-+ the KV-cache write ride in the attention kernel (or are one pass before it), and SiLU-and-mul rides in the
-gate/up epilogue (qkv GEMV, split-KV attention with rope and the KV write + its reduction, o GEMV, gate/up GEMV,
-down GEMV).
+rides in that skinny GEMM, see greedy_keys_of), q/k norm + rope + the KV-cache write ride in the attention kernel
+(or are one pass before it), and SiLU-and-mul rides in the gate/up epilogue. Between int4 GEMVs the residual add,
+the next norm's weight and the rounding of x to int8 ride in the producer's epilogue instead
+(CudaKernels.linear_into).
 Larger batches fall back, op by op, to the unfused Triton kernels, the skinny GEMM (up to 64 rows) and cuBLAS.
 """
 
@@ -26,17 +27,19 @@ def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch
     live = live_rows(meta)
     hidden = kernels.embedding(input_ids, model.embed)
     residual = None
-    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
         qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
                                       v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                       feeds=layer.o)
-        out = kernels.linear(attn, layer.o, live=live)
+        out, residual = kernels.linear_into(attn, layer.o, residual, layer.post_norm, layer.gate_up, live=live)
         act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True,
                                             feeds=layer.down, live=live)
-        hidden = kernels.linear(act, layer.down, live=live)
+        following = model.layers[i + 1] if i + 1 < len(model.layers) else None
+        hidden, residual = kernels.linear_into(act, layer.down, residual, following and following.input_norm,
+                                               following and following.qkv, live=live)
     return hidden, residual
 
 

@@ -84,6 +84,13 @@ INT4_WIDE_SERIAL_ROWS = 32
 HEAD_SCALES_ABOVE_ROWS = 32
 
 
+# A GEMV hands its output to the int4 GEMV after it as a PackedX (see PACKED_BLOCK) only for rows of at least this
+# many columns: each consumer program's rounding grows with its row, the producer's epilogue does not. H200,
+# captured int4 batch-1 steps, every hand-over against none: Qwen3-0.6B 526 -> 532 us, 1.7B 807 -> 827, 4B 1,393 ->
+# 1,412, 8B 2,128 -> 2,056; only to the down projections (rows of 6,144-12,288): 1.7B 806, 4B 1,383, 8B 2,085.
+PACKED_X_MIN_K = 4096
+
+
 # Triton's CPU interpreter (the CI tests): it mis-multiplies bf16 dots (3.9), so dots run in fp32 under it, and it
 # runs no inline assembly, so dp4a is spelled out there.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -805,27 +812,28 @@ def _int8_blocks(xb):
 
 
 @triton.jit
-def _x_int8(xf, BLOCK_K: tl.constexpr):
-    """x [BLOCK_K] float32 as int8 in blocks of X_BLOCK, scaled to each block's largest magnitude: (even-column
+def _x_int8(xf, BLOCK_K: tl.constexpr, XB: tl.constexpr):
+    """x [BLOCK_K] float32 as int8 in blocks of XB columns, scaled to each block's largest magnitude: (even-column
     bytes, odd-column bytes) packed four to an int32 to meet the low / high nibbles of a weight word, the block
     scales and the blocks' integer sums (as floats)."""
-    xi, scale, sums = _int8_blocks(tl.reshape(xf, (BLOCK_K // X_BLOCK, X_BLOCK)))
+    xi, scale, sums = _int8_blocks(tl.reshape(xf, (BLOCK_K // XB, XB)))
     even, odd = tl.split(tl.reshape(xi, (BLOCK_K // 8, 4, 2)))
     shift = (tl.arange(0, 4) * 8)[None, :]  # disjoint bytes: the sums are ORs
     return tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1), scale, sums
 
 
 @triton.jit
-def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W · x for int4 rows (int32 words) and x from _x_int8. Exact integer sums a block, then
-    sum((q s + o) x) = x_scale (s sum(q xi) + o sum(xi)) a block: about a fifth of the instructions of meeting
-    every nibble with a float (a 4-row program: 2 words, 4 dp4a, 3 masks per 16 weights)."""
+def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   XB: tl.constexpr):
+    """W · x for int4 rows (int32 words) and x from _x_int8 (blocks of XB columns) or _packed_x. Exact integer
+    sums a block, then sum((q s + o) x) = x_scale (s sum(q xi) + o sum(xi)) a block: about a fifth of the
+    instructions of meeting every nibble with a float (a 4-row program: 2 words, 4 dp4a, 3 masks per 16 weights)."""
     x_even, x_odd, x_scale, x_sums = xq
     dots = _dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(x_odd[None, :], w.shape),
                  _dp4a(w & 0x0F0F0F0F, tl.broadcast_to(x_even[None, :], w.shape), tl.zeros(w.shape, tl.int32)))
-    PER_GROUP: tl.constexpr = GROUP // X_BLOCK
+    PER_GROUP: tl.constexpr = GROUP // XB
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    blocks = tl.reshape(tl.sum(tl.reshape(dots, (BLOCK_N, BLOCK_K // X_BLOCK, X_BLOCK // 8)), axis=2),
+    blocks = tl.reshape(tl.sum(tl.reshape(dots, (BLOCK_N, BLOCK_K // XB, XB // 8)), axis=2),
                         (BLOCK_N, GROUPS, PER_GROUP)).to(tl.float32)
     x_sums = tl.reshape(x_sums, (GROUPS, PER_GROUP))[None, :, :]
     x_scale = tl.reshape(x_scale, (GROUPS, PER_GROUP))[None, :, :]
@@ -833,10 +841,12 @@ def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
 
 
 @triton.jit
-def _row_dots(w, s, o, x, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W · x for the rows _load_rows returned: x [BLOCK_K] float32 (zero past K), or for int4 rows _x_int8 of it."""
+def _row_dots(w, s, o, x, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              XB: tl.constexpr):
+    """W · x for the rows _load_rows returned: x [BLOCK_K] float32 (zero past K), or for int4 rows _x_int8 of it
+    (blocks of XB columns) or _packed_x."""
     if WKIND == 2:
-        acc = _int4_row_dots(w, s, o, x, GROUP, BLOCK_N, BLOCK_K)
+        acc = _int4_row_dots(w, s, o, x, GROUP, BLOCK_N, BLOCK_K, XB)
     else:
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if WKIND == 1:
@@ -856,11 +866,69 @@ def _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES: tl.cons
     return x.to(tl.float32)
 
 
+# A GEMV can hand the int4 GEMV after it x already rounded (PackedX): a row of K columns is [even-column words K/8 |
+# odd-column words K/8 | block scales K/16 | block integer sums K/16 | sums of squares, a producer program each],
+# blocks of PACKED_BLOCK columns (one producer program holds whole blocks), so the consumer's programs skip the
+# norm's reduction and the rounding that each of them would otherwise repeat over the whole row.
+PACKED_BLOCK = tl.constexpr(16)
+
+
+@triton.jit
+def _packed_x(row_ptr, K, k0, row, ROWS, BLOCK_K: tl.constexpr):
+    """_x_int8's four parts for columns k0 .. k0 + BLOCK_K of the PackedX row at row_ptr (float32), 0 past K."""
+    i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    b = k0 // PACKED_BLOCK + tl.arange(0, BLOCK_K // PACKED_BLOCK)
+    i_ok, b_ok = (i < K // 8) & (i * 0 + row < ROWS), (b < K // PACKED_BLOCK) & (b * 0 + row < ROWS)
+    words = row_ptr.to(tl.pointer_type(tl.int32))
+    return (tl.load(words + i, mask=i_ok, other=0), tl.load(words + K // 8 + i, mask=i_ok, other=0),
+            tl.load(row_ptr + K // 4 + b, mask=b_ok, other=0.0),
+            tl.load(row_ptr + K // 4 + K // PACKED_BLOCK + b, mask=b_ok, other=0.0))
+
+
+@triton.jit
+def _packed_rms(row_ptr, K, parts, eps, row, ROWS, P_BLOCK: tl.constexpr):
+    """1 / rms of the row whose PackedX is at row_ptr, from its producer programs' sums of squares."""
+    p = tl.arange(0, P_BLOCK)
+    sq = tl.load(row_ptr + K // 4 + K // 8 + p, mask=(p < parts) & (p * 0 + row < ROWS), other=0.0)
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, n_ok, pid, QRES: tl.constexpr,
+                  QNORM: tl.constexpr, BLOCK_N: tl.constexpr, Q_PBLOCK: tl.constexpr):
+    """Program pid's outputs acc [BLOCK_N] of a row as the PackedX of the next projection's input: QRES adds the
+    residual (and stores the sum as the new residual), QNORM stores its sum of squares and multiplies by the next
+    norm's weight nwq (the next GEMV applies 1 / rms to its dots: rounding in blocks does not see a row's scale)."""
+    ok = n_ok & (n * 0 + row < ROWS)
+    y = acc.to(tl.float32)
+    if QRES:
+        y = (y + tl.load(res_ptr + row * N_OUT + n, mask=ok, other=0.0).to(tl.float32)).to(acc.dtype)
+        tl.store(res_out_ptr + row * N_OUT + n, y, mask=ok)
+        y = y.to(tl.float32)
+    row_ptr = out_ptr + row * (N_OUT // 4 + N_OUT // 8 + Q_PBLOCK)
+    if QNORM:
+        one = tl.arange(0, 1)
+        tl.store(row_ptr + N_OUT // 4 + N_OUT // 8 + pid + one, tl.sum(y * y, axis=0) + tl.zeros([1], tl.float32),
+                 mask=one * 0 + row < ROWS)
+        y = y * nwq
+    even, odd, scale, sums = _x_int8(y, BLOCK_N, PACKED_BLOCK)
+    i = pid * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    b = pid * (BLOCK_N // PACKED_BLOCK) + tl.arange(0, BLOCK_N // PACKED_BLOCK)
+    i_ok, b_ok = (i < N_OUT // 8) & (i * 0 + row < ROWS), (b < N_OUT // PACKED_BLOCK) & (b * 0 + row < ROWS)
+    words = row_ptr.to(tl.pointer_type(tl.int32))
+    tl.store(words + i, even, mask=i_ok)
+    tl.store(words + N_OUT // 8 + i, odd, mask=i_ok)
+    tl.store(row_ptr + N_OUT // 4 + b, scale, mask=b_ok)
+    tl.store(row_ptr + N_OUT // 4 + N_OUT // PACKED_BLOCK + b, sums, mask=b_ok)
+
+
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, live_ptr, ROWS,
-                      K, N_OUT, eps, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
+                      K, N_OUT, eps, X_PARTS, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
                       WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_KB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIVE: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_KB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIVE: tl.constexpr, PDL: tl.constexpr,
+                      PACKED: tl.constexpr, P_BLOCK: tl.constexpr, QOUT: tl.constexpr, QRES: tl.constexpr,
+                      QNORM: tl.constexpr, Q_PBLOCK: tl.constexpr):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
     Program (n block, row block) holds BLOCK_N rows of W and the norm weight (read before the wait for the
@@ -872,12 +940,18 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
     n-block 0 programs write the new residual; the others only read the old one, so the output buffer must differ
     from the input. Weights are read as WKIND says (see _load_rows); int4 rows meet x as int8 blocks (_x_int8),
     as llama.cpp's quantized GEMVs do: per-row numerics, so row invariance holds for them as for the others.
+    PACKED: x is a PackedX (int4 W; X_PARTS sums of squares, P_BLOCK a power of two >= X_PARTS): its rounding and
+    with HAS_NORM the norm's weight and residual are done, 1 / rms is applied to the dots. QOUT: out is the PackedX
+    of the next int4 GEMV's input (_store_packed; QRES: res_ptr / res_out_ptr are the residual of the outputs,
+    QNORM: nw_ptr the next norm's weight, Q_PBLOCK the next call's P_BLOCK).
     LIVE (ROW_BLOCK 1): a row whose live_ptr entry (its context length) is 0, a verify step's row past its drafts
     or a bucket's padding row, is not computed: nothing reads it, and its output and residual rows are left as
     they were, so a step costs the rows it really has.
     """
     pid, first_row = tl.program_id(0), tl.program_id(1) * ROW_BLOCK
     TWO: tl.constexpr = BLOCK_KB > 0
+    XB: tl.constexpr = PACKED_BLOCK if PACKED else X_BLOCK
+    NORM_X: tl.constexpr = HAS_NORM and not PACKED
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N_OUT
     if LIVE:  # gates the rows' work only: the weight reads below must not wait for this load
@@ -896,41 +970,60 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
     k = tl.arange(0, BLOCK_K)
     if TWO:
         kb = BLOCK_K + tl.arange(0, BLOCK_KB)
-    if HAS_NORM:
+    if NORM_X:
         nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         if TWO:
             nwb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
+    if QNORM:
+        nwq = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    else:
+        nwq = 1.0
     _after_producer(PDL)
-    dtype = out_ptr.dtype.element_ty
+    dtype = res_out_ptr.dtype.element_ty if QOUT else out_ptr.dtype.element_ty
     if go:
         for i in tl.static_range(ROW_BLOCK):
             row = first_row + i
-            xf = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES, dtype)
-            if TWO:
-                xfb = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, kb, pid, HAS_RES, dtype)
-            if HAS_NORM:
-                sum_sq = tl.sum(xf * xf, axis=0)
+            if PACKED:
+                row_ptr = x_ptr + row * (K // 4 + K // 8 + P_BLOCK)
+                xf = _packed_x(row_ptr, K, 0, row, ROWS, BLOCK_K)
                 if TWO:
-                    sum_sq += tl.sum(xfb * xfb, axis=0)
-                rms = tl.rsqrt(sum_sq / K + eps)
-                xf = (xf * rms * nw).to(dtype).to(tl.float32)
+                    xfb = _packed_x(row_ptr, K, BLOCK_K, row, ROWS, BLOCK_KB)
+                rms = _packed_rms(row_ptr, K, X_PARTS, eps, row, ROWS, P_BLOCK) if HAS_NORM else 1.0
+            else:
+                xf = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, k, pid, HAS_RES, dtype)
                 if TWO:
-                    xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
-            if WKIND == 2:  # rounded to int8 once a row piece, for gate and up alike
-                xf = _x_int8(xf, BLOCK_K)
-            acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+                    xfb = _x_piece(x_ptr, res_ptr, res_out_ptr, row, ROWS, K, kb, pid, HAS_RES, dtype)
+                if HAS_NORM:
+                    sum_sq = tl.sum(xf * xf, axis=0)
+                    if TWO:
+                        sum_sq += tl.sum(xfb * xfb, axis=0)
+                    rms = tl.rsqrt(sum_sq / K + eps)
+                    xf = (xf * rms * nw).to(dtype).to(tl.float32)
+                    if TWO:
+                        xfb = (xfb * rms * nwb).to(dtype).to(tl.float32)
+                if WKIND == 2:  # rounded to int8 once a row piece, for gate and up alike
+                    xf = _x_int8(xf, BLOCK_K, XB)
+            acc = _row_dots(w, s, o, xf, WKIND, GROUP, BLOCK_N, BLOCK_K, XB)
             if TWO:
-                if WKIND == 2:
-                    xfb = _x_int8(xfb, BLOCK_KB)
-                acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+                if WKIND == 2 and not PACKED:
+                    xfb = _x_int8(xfb, BLOCK_KB, XB)
+                acc += _row_dots(wb, sb, ob, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB, XB)
+            if PACKED and HAS_NORM:
+                acc = acc * rms
             acc = acc.to(dtype)
             if SILU:
-                up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K)
+                up = _row_dots(w_up, s_up, o_up, xf, WKIND, GROUP, BLOCK_N, BLOCK_K, XB)
                 if TWO:
-                    up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB)
+                    up += _row_dots(w_upb, s_upb, o_upb, xfb, WKIND, GROUP, BLOCK_N, BLOCK_KB, XB)
+                if PACKED and HAS_NORM:
+                    up = up * rms
                 gate = acc.to(tl.float32)
                 acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-            tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
+            if QOUT:
+                _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, n_ok, pid, QRES, QNORM,
+                              BLOCK_N, Q_PBLOCK)
+            else:
+                tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
 
 
 @triton.jit
@@ -1574,6 +1667,30 @@ def _empty_int8_rows(rows: int, k: int, like: torch.Tensor, group: int) -> Int8R
                     torch.empty(groups, dtype=torch.float32, device=like.device), like.dtype, group)
 
 
+@dataclass
+class PackedX:
+    """A GEMV's output as the int4 GEMV after it takes it (_store_packed; layout at PACKED_BLOCK): data [rows,
+    K / 4 + K / 8 + pow2(parts)] float32, parts the producer programs' sums of squares (0: no norm between)."""
+
+    data: torch.Tensor
+    k: int
+    parts: int
+    dtype: torch.dtype  # the activations' own 16-bit dtype: what the projection writes
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.k))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def _empty_packed_x(rows: int, k: int, parts: int, dtype: torch.dtype, device) -> PackedX:
+    return PackedX(torch.empty(rows, k // 4 + k // 8 + _pow2(max(parts, 1)), dtype=torch.float32, device=device),
+                   k, parts, dtype)
+
+
 class CudaKernels(ReferenceKernels):
     """Triton versions of the hot ops; sampling and embedding stay in PyTorch (already one or two launches)."""
 
@@ -1604,6 +1721,9 @@ class CudaKernels(ReferenceKernels):
         use = pdl_supported() if pdl is None else pdl
         self._pdl = {"PDL": use, "launch_pdl": use}
         self._split_k: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # A GEMV whose output an int4 GEMV of long rows takes next writes it as that GEMV's PackedX (linear_into,
+        # norm_linear; PACKED_X_MIN_K).
+        self.packed_x = True
 
     def sample(self, logits, params):
         if params.all_greedy:  # argmax needs no fp32 copy of [rows, vocab] logits: widening is exact
@@ -2013,8 +2133,11 @@ class CudaKernels(ReferenceKernels):
         after it takes them. live: see gemv (the separate kernels compute every row).
         """
         if self._gemv_route(x, w):
+            pack = (None, None) if silu and self._packs(x, w, feeds, silu=True) else None
+            if isinstance(x, PackedX):  # its producer added the residual and applied norm_w
+                return self.gemv(x, w, eps=eps, silu=silu, live=live, pack=pack), residual
             return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True,
-                             live=live)
+                             live=live, pack=pack)
         normed, residual = self._norm_for(x, residual, norm_w, eps, w)
         out = self.linear(normed, w)
         if silu:
@@ -2026,6 +2149,28 @@ class CudaKernels(ReferenceKernels):
             else:
                 out = self.silu_and_mul(out)
         return out, residual
+
+    def linear_into(self, x, w: Weight, residual, norm_w, feeds: Weight | None, live=None):
+        """x @ w.T on its way to the projection by feeds, through an rmsnorm by norm_w (None: none) of it +
+        residual: (that projection's PackedX, the new residual) where both are register GEMVs and feeds is int4 —
+        the add, the norm weight and the rounding then happen here, once — else (x @ w.T, residual) for
+        norm_linear to finish."""
+        if residual is not None and self._packs(x, w, feeds):
+            return self.gemv(x, w, live=live, pack=(residual, norm_w))
+        return self.linear(x, w, live=live), residual
+
+    def _packs(self, x, w: Weight, feeds: Weight | None, silu: bool = False) -> bool:
+        """Whether the register GEMV x @ w.T (SiLU-and-mul of it with silu) can write its output as the PackedX of
+        the register GEMV by feeds: an int4 weight of rows of at least PACKED_X_MIN_K columns in groups of whole
+        blocks, and programs of w holding whole blocks."""
+        if not (self.packed_x and isinstance(feeds, Int4Weight) and self._gemv_route(x, w)):
+            return False
+        n_out = w.shape[0] // 2 if silu else w.shape[0]
+        block_n = gemv_config(w.shape[0], x.shape[1], self._weight_kind(w)[0])[0]
+        nxt = torch.empty(x.shape[0], n_out, dtype=x.dtype, device="meta")
+        whole = PACKED_BLOCK.value
+        return (feeds.shape[1] == n_out >= PACKED_X_MIN_K and block_n % whole == 0 and n_out % whole == 0
+                and feeds.group_size % whole == 0 and self._gemv_route(nxt, feeds))
 
     def _norm_for(self, x, residual, norm_w, eps, w: Weight) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows or Int8Rows where it can), and the new
@@ -2068,27 +2213,47 @@ class CudaKernels(ReferenceKernels):
         return w.dtype == x.dtype
 
     def gemv(self, x, w, residual=None, norm_w=None, eps=0.0, silu=False, with_residual=False, config=None,
-             live=None):
+             live=None, pack=None):
         """Few-row x @ w.T as one Triton pass over w, optionally with the add+rmsnorm prologue / silu epilogue.
         live: [rows] ints, 0 where a row's result is not needed: where rows have programs of their own (small
-        weights), those rows are skipped and their output and residual rows left as they are."""
+        weights), those rows are skipped and their output and residual rows left as they are. x may be a PackedX
+        (int4 w; its norm, if any, is done but for 1 / rms, which takes eps). pack (residual or None, next norm
+        weight or None): write the output as the next int4 GEMV's PackedX (see linear_into); returned with the new
+        residual when pack has one."""
         rows, k = x.shape
         n_out = w.shape[0] // 2 if silu else w.shape[0]
-        out = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-        has_res = residual is not None
-        res_out = torch.empty_like(x) if has_res else x
         kind, data, scales, offsets, group = self._weight_kind(w)
         block_n, warps = config or gemv_config(n_out * (2 if silu else 1), k, kind)
+        packed_in = isinstance(x, PackedX)
+        x_in = x.data if packed_in else x
+        q_res, q_norm = pack or (None, None)
+        parts = triton.cdiv(n_out, block_n) if q_norm is not None else 0
+        out = (torch.empty(rows, n_out, dtype=x.dtype, device=x.device) if pack is None
+               else _empty_packed_x(rows, n_out, parts, x.dtype, x.device))
+        has_res = residual is not None
+        res_out = torch.empty_like(x) if has_res else x_in
+        if q_res is not None:  # the output's residual; nothing comes in with x then
+            assert not has_res
+            residual, res_out = q_res, torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+        elif pack is not None and not has_res:  # the kernel reads the output dtype from res_out
+            res_out = torch.empty(0, dtype=x.dtype, device=x.device)
+        assert norm_w is None or q_norm is None
         row_block = gemv_row_block(rows, w.shape[0], k)
         # Only rows with programs of their own can be skipped: in shared programs the check cost a Qwen3 bf16
         # batch-1 decode step 17 us and saved nothing.
         live = live if row_block == 1 and rows > 1 else None
         block_k, block_kb = gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
-            x, residual if has_res else x, res_out, norm_w if norm_w is not None else x, data, scales, offsets, out,
-            x if live is None else live, rows, k, n_out, eps, HAS_NORM=norm_w is not None, HAS_RES=has_res,
-            SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
-            ROW_BLOCK=row_block, LIVE=live is not None, num_warps=warps, **self._pdl)
+            x_in, residual if residual is not None else x_in, res_out,
+            norm_w if norm_w is not None else q_norm if q_norm is not None else x_in, data, scales, offsets,
+            out.data if pack is not None else out, x_in if live is None else live, rows, k, n_out, eps,
+            x.parts if packed_in else 0, HAS_NORM=norm_w is not None or packed_in and x.parts > 0,
+            HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
+            ROW_BLOCK=row_block, LIVE=live is not None, PACKED=packed_in,
+            P_BLOCK=_pow2(max(x.parts, 1)) if packed_in else 1, QOUT=pack is not None, QRES=q_res is not None,
+            QNORM=q_norm is not None, Q_PBLOCK=_pow2(max(parts, 1)), num_warps=warps, **self._pdl)
+        if q_res is not None:
+            return out, res_out
         return (out, res_out) if with_residual else out
 
     def decode_inputs(self, positions, live, tables, block_size):
