@@ -362,9 +362,11 @@ def engine_benchmarks(loaded, quick: bool):
         register_gemv=False, skinny_dense=False)}
     fp8_kv = {"variant": "kv-fp8-e5m2", "kv_cache_dtype": "fp8-e5m2"}
     fp8_head = {"variant": "kv-e5m2+fp8head", "kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True}
+    int4_fp8_head = {"variant": "fp8head", "quantize_lm_head": True}  # the opt-in 8-bit head of int4 weights
     configs = [("bf16", "full", [1, 8, 64], {}), ("bf16", "full", [1], unfused), ("bf16", "basic", [1, 64], {}),
                ("fp8-e4m3", "full", [1, 64], {}), ("fp8-e4m3", "full", [64], fp8_kv),
-               ("fp8-e4m3", "full", [64], fp8_head), ("bf16", "full", [64], fp8_kv), ("int4", "full", [1, 64], {})]
+               ("fp8-e4m3", "full", [64], fp8_head), ("bf16", "full", [64], fp8_kv), ("int4", "full", [1, 64], {}),
+               ("int4", "full", [1], int4_fp8_head)]
     if quick:
         configs = [c for c in configs if c[1] == "full"]
     for precision, profile, sizes, extra in configs:
@@ -485,6 +487,7 @@ def summary(res: dict) -> list[str]:
         "fp8+fp8kv+fp8 head/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-e5m2+fp8head")
         / get("bf16", "full", 64, decode),
         "int4/bf16 decode b=1": get("int4", "full", 1, decode) / get("bf16", "full", 1, decode),
+        "int4+fp8 head/bf16 decode b=1": get("int4", "full", 1, decode, "fp8head") / get("bf16", "full", 1, decode),
     }
     for name, spread in res.get("fp8_ratio_rounds", {}).items():
         if name != "decode_tok_s":

@@ -52,8 +52,8 @@ class Backend:
         return self.activation_dtype(precision)
 
     def quantized_head(self, precision: Precision) -> bool:
-        """Whether this backend can store the LM head in `precision` like the projections (a tied one then keeps
-        a copy apart from the embedding table), as the profile's quantize_lm_head asks."""
+        """Whether this backend can store the LM head of `precision` weights quantized, in precision.head (a tied
+        one then keeps a copy apart from the embedding table), as the profile's quantize_lm_head asks."""
         return False
 
     def preferred_precision(self, weights: dict) -> str:

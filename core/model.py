@@ -49,7 +49,7 @@ class DecoderModel:
         head_dtype = head_dtype or activation_dtype
         # A tied head shares the embedding table unless the backend stores it otherwise.
         if quantized_head:
-            self.lm_head = take.linear([head_name])
+            self.lm_head = take.linear([head_name], precision.head)
         else:
             self.lm_head = self.embed if tied and head_dtype == activation_dtype else take.dense(head_name, head_dtype)
         self.cos_sin = rope_cache(config, device)
@@ -125,14 +125,15 @@ class _WeightTaker:
     def bias(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self.dense(n) for n in names])
 
-    def linear(self, names: list[str]) -> Weight:
+    def linear(self, names: list[str], precision: Precision | None = None) -> Weight:
         # Converted where they will live: an accelerator rounds a projection to int4 or fp8 far faster than the host
         # (the parts' originals are transient there, one projection at a time).
-        parts = [self.precision.quantize(self._get(n).to(self.device)) for n in names]
+        precision = precision or self.precision
+        parts = [precision.quantize(self._get(n).to(self.device)) for n in names]
         merged = concat_rows(parts) if len(parts) > 1 else parts[0]
         validate_weight(names[0], merged)
         if isinstance(merged, torch.Tensor):
-            return merged.to(device=self.device, dtype=self.precision.storage_dtype)
+            return merged.to(device=self.device, dtype=precision.storage_dtype)
         return merged.to(self.device)
 
 

@@ -34,9 +34,10 @@ class Profile(BaseModel):
     kv_cache_dtype: KvCacheDtype = "auto"
     memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)  # fraction of free device memory for KV
     kv_cache_max_gib: float | None = Field(default=None, gt=0)  # hard cap, useful on shared hosts and in tests
-    # Keep the LM head in the weight precision too (where the backend can: CUDA fp8-e4m3). Faster small-batch
-    # decode, worse text: on SmolLM2 fp8 with an fp8 head, Hamlet perplexity 26.43 -> 26.81 (fp32 25.86). Off by
-    # default, as llama.cpp and vLLM keep heads at higher precision.
+    # Keep the LM head quantized too: in the weight precision, fp8 for int4 weights (Precision.head; where the
+    # backend can: CUDA fp8-e4m3, and int4 with fp8 tensor cores). Faster small-batch decode, worse text: on
+    # SmolLM2 fp8 with an fp8 head, Hamlet perplexity 26.43 -> 26.81 (fp32 25.86). Off by default, as llama.cpp
+    # and vLLM keep heads at higher precision.
     quantize_lm_head: bool = False
 
     def overridden(self, **changes) -> "Profile":

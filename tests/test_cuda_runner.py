@@ -128,12 +128,14 @@ def test_a_capture_after_a_full_chunk_writes_inside_the_token_buffer():
     assert int(runner.step_index) == 1  # the warm-up's one step wrote row 0
 
 
-def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monkeypatch):
-    """The decode body (a graph's, run eagerly) of an fp8 model with an fp8 head at a bucket past the GEMV's rows:
-    its argmax rides in the head's GEMM and the tokens are those of logits + an argmax pass, step after step; the
-    keys buffer is all zeros between steps, as the next step needs it."""
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp8-e4m3"], DEV,
+@pytest.mark.parametrize("precision", ["fp8-e4m3", "int4"])
+def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monkeypatch, precision):
+    """The decode body (a graph's, run eagerly) of an fp8 or int4 model with an fp8 head at a bucket past the
+    GEMV's rows: its argmax rides in the head's GEMM and the tokens are those of logits + an argmax pass, step after
+    step; the keys buffer is all zeros between steps, as the next step needs it."""
+    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS[precision], DEV,
                          torch.bfloat16, quantized_head=True)
+    assert type(model.lm_head).__name__ == "Fp8Weight"
     profile = Profile(name="full", cuda_graphs=True, graph_batch_sizes=[8], max_num_seqs=8)
     runner = CudaGraphRunner.for_profile(profile)(model, 64, 4, torch.bfloat16)
     batch = []

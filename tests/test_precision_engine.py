@@ -94,7 +94,31 @@ def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can
     assert LLMEngine(backend, loaded, "bf16", asked).model.lm_head.dtype == torch.bfloat16
     with pytest.raises(UserError, match="quantize_lm_head"):
         LLMEngine(CpuBackend(), loaded, "fp8-e4m3", asked)
-    assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False, False]
+    fp8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False,
+                                                                                                 fp8_cores]
+
+
+def test_int4_weights_keep_a_quantized_lm_head_in_fp8(loaded):
+    """Int4 weights' quantized head is fp8-e4m3 (Precision.head): the logits move by fp8's rounding of the head,
+    the projections stay int4, and a backend that cannot keep it says which head it was asked for."""
+    from flashnext.core.errors import UserError
+    from flashnext.core.precision import Fp8Weight, Int4Weight, PRECISIONS
+
+    class QuantizedHeadBackend(CpuBackend):
+        def quantized_head(self, precision):
+            return True
+
+    backend = QuantizedHeadBackend()
+    asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
+    engine = LLMEngine(backend, loaded, "int4", asked)
+    dense = LLMEngine(backend, loaded, "int4", backend.profiles()["full"])
+    assert PRECISIONS["int4"].head.name == "fp8-e4m3" and PRECISIONS["fp8-e4m3"].head.name == "fp8-e4m3"
+    assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(engine.model.layers[0].qkv, Int4Weight)
+    fp8_head_error = nmse(prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT))
+    assert 0 < fp8_head_error < 1e-2
+    with pytest.raises(UserError, match="LM head of int4 weights in fp8-e4m3"):
+        LLMEngine(CpuBackend(), loaded, "int4", asked)
 
 
 @pytest.mark.parametrize("capability,stored,expected", [

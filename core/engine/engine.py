@@ -94,12 +94,13 @@ class LLMEngine:
         return PRECISIONS[name].storage_dtype
 
     def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
-        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision)."""
+        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision): the
+        head then takes self.precision.head."""
         if not profile.quantize_lm_head or self.precision.bits >= 16:
             return False
         if not backend.quantized_head(self.precision):
-            raise UserError(f"backend '{backend.name}' cannot keep the LM head in {self.precision.name}: unset "
-                            "quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
+            raise UserError(f"backend '{backend.name}' cannot keep the LM head of {self.precision.name} weights in "
+                            f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
         return True
 
     def _activation_peak(self) -> int:

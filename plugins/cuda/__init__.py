@@ -72,7 +72,10 @@ class CudaBackend(Backend):
 
     def quantized_head(self, precision) -> bool:
         # An fp8 head reads half the bytes of Qwen3's largest matrix: a batch-64 fp8-e4m3 step 1,321.7 -> 1,288.8 us
-        # (H200) for +155 MB (the bf16 embedding table stays for the lookup) and fp8-rounded logits.
+        # (H200) for +155 MB (the bf16 embedding table stays for the lookup) and fp8-rounded logits. Int4 weights'
+        # head is fp8 too (Precision.head), which past the GEMV's rows needs fp8 tensor cores.
+        if precision.name == "int4":
+            return torch.cuda.is_available() and _capability()[:2] >= FP8_CAPABILITY
         return precision.name == "fp8-e4m3"
 
     def runner_class(self, profile: Profile):
