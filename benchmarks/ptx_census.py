@@ -39,12 +39,13 @@ def census(kind: str, n_out: int, k: int, silu: bool = False, group: int = 128) 
     block_n, warps = K.gemv_config(rows_of_w, k, wkind)
     block_k, block_kb = K.gemv_k_pieces(rows_of_w, k, group)
     fn = K._norm_gemv_kernel
-    ints = {"K": k, "N_OUT": n_out}
+    ints = {"K": k, "N_OUT": n_out, "X_PARTS": 0}
     signature = {name: "*bf16" for name in POINTERS} | {"w_ptr": w_type, "scales_ptr": scale_type,
                                                         "offsets_ptr": scale_type, "eps": "fp32"}
     signature |= {name: "i32" for name in ints}
     constants = dict(ROWS=1, HAS_NORM=True, HAS_RES=True, SILU=silu, WKIND=wkind, GROUP=group, BLOCK_N=block_n,
-                     BLOCK_K=block_k, BLOCK_KB=block_kb, ROW_BLOCK=1, LIVE=False, PDL=True)
+                     BLOCK_K=block_k, BLOCK_KB=block_kb, ROW_BLOCK=1, LIVE=False, PDL=True, PACKED=False, P_BLOCK=1,
+                     QOUT=False, QRES=False, QNORM=False, Q_PBLOCK=1)
     signature |= {name: "constexpr" for name in constants}
     divisible = list(POINTERS) + [name for name, value in ints.items() if value % 16 == 0]
     src = ASTSource(fn=fn, signature=signature,
