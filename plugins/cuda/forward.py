@@ -5,9 +5,9 @@ Same weights and numerics as DecoderModel.forward (core/model.py), rearranged so
 prologue of the projection after it (the final one too where the vocabulary projection is a GEMV: quantized
 heads; otherwise it is the skinny GEMM or cuBLAS after a norm pass, see logits_of, and a greedy step's argmax
 rides in that skinny GEMM, see greedy_keys_of), q/k norm + rope + the KV-cache write ride in the attention kernel
-(or are one pass before it), and SiLU-and-mul rides in the gate/up epilogue. Between int4 GEMVs the residual add,
-the next norm's weight and the rounding of x to int8 ride in the producer's epilogue instead
-(CudaKernels.linear_into).
+(or are one pass before it), and SiLU-and-mul rides in the gate/up epilogue. Where an int4 GEMV of long rows
+(PACKED_X_MIN_K) follows a GEMV, the residual add, the next norm's weight and the rounding of x to int8 ride in
+the producer's epilogue instead (CudaKernels.linear_into).
 Larger batches fall back, op by op, to the unfused Triton kernels, the skinny GEMM (up to 64 rows) and cuBLAS.
 """
 
