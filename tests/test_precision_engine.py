@@ -7,6 +7,7 @@ from flashnext.core.engine.engine import LLMEngine
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.loader import load_model
+from flashnext.core.profile import Profile
 from flashnext.plugins.cpu import CpuBackend
 from flashnext.plugins.cuda import cuda_probe
 
@@ -71,6 +72,21 @@ def test_fp8_kv_cache_runs_and_stays_close(loaded, reference):
     assert nmse(prompt_logits(engine, PROMPT), reference) < 5e-2
 
 
+class QuantizedHeadBackend(CpuBackend):
+    """The CPU backend, allowed a quantized LM head (its products expand weights anyway)."""
+
+    def quantized_head(self, precision):
+        return True
+
+
+def _head_engines(loaded, precision: str) -> tuple[LLMEngine, LLMEngine, Profile]:
+    """Engines of `precision` weights with quantize_lm_head and without, and the profile that asks for it."""
+    backend = QuantizedHeadBackend()
+    asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
+    return LLMEngine(backend, loaded, precision, asked), LLMEngine(backend, loaded, precision,
+                                                                   backend.profiles()["full"]), asked
+
+
 def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can(loaded, reference):
     """profile.quantize_lm_head on a backend that can (Backend.quantized_head): the head becomes the precision's
     weight (a tied embedding table stays dense for the lookup) and the logits stay within fp8's bound of fp32. Off
@@ -79,19 +95,12 @@ def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can
     from flashnext.core.precision import Fp8Weight, PRECISIONS
     from flashnext.plugins.cuda import CudaBackend
 
-    class QuantizedHeadBackend(CpuBackend):
-        def quantized_head(self, precision):
-            return True
-
-    backend = QuantizedHeadBackend()
-    asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
-    engine = LLMEngine(backend, loaded, "fp8-e4m3", asked)
-    dense = LLMEngine(backend, loaded, "fp8-e4m3", backend.profiles()["full"])
+    engine, dense, asked = _head_engines(loaded, "fp8-e4m3")
     assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(dense.model.lm_head, torch.Tensor)
     assert torch.equal(engine.model.embed, dense.model.embed)
     quantized, unquantized = prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT)
     assert 0 < nmse(quantized, unquantized) and nmse(quantized, reference) < 3e-2
-    assert LLMEngine(backend, loaded, "bf16", asked).model.lm_head.dtype == torch.bfloat16
+    assert LLMEngine(QuantizedHeadBackend(), loaded, "bf16", asked).model.lm_head.dtype == torch.bfloat16
     with pytest.raises(UserError, match="quantize_lm_head"):
         LLMEngine(CpuBackend(), loaded, "fp8-e4m3", asked)
     fp8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -105,14 +114,7 @@ def test_int4_weights_keep_a_quantized_lm_head_in_fp8(loaded):
     from flashnext.core.errors import UserError
     from flashnext.core.precision import Fp8Weight, Int4Weight, PRECISIONS
 
-    class QuantizedHeadBackend(CpuBackend):
-        def quantized_head(self, precision):
-            return True
-
-    backend = QuantizedHeadBackend()
-    asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
-    engine = LLMEngine(backend, loaded, "int4", asked)
-    dense = LLMEngine(backend, loaded, "int4", backend.profiles()["full"])
+    engine, dense, asked = _head_engines(loaded, "int4")
     assert PRECISIONS["int4"].head.name == "fp8-e4m3" and PRECISIONS["fp8-e4m3"].head.name == "fp8-e4m3"
     assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(engine.model.layers[0].qkv, Int4Weight)
     fp8_head_error = nmse(prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT))

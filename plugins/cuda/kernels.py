@@ -1686,8 +1686,13 @@ class PackedX:
         return self.data.device
 
 
+def _parts_block(parts: int) -> int:
+    """The room a PackedX row keeps for its producer's sums of squares (the kernels' P_BLOCK / Q_PBLOCK)."""
+    return _pow2(max(parts, 1))
+
+
 def _empty_packed_x(rows: int, k: int, parts: int, dtype: torch.dtype, device) -> PackedX:
-    return PackedX(torch.empty(rows, k // 4 + k // 8 + _pow2(max(parts, 1)), dtype=torch.float32, device=device),
+    return PackedX(torch.empty(rows, k // 4 + k // 8 + _parts_block(parts), dtype=torch.float32, device=device),
                    k, parts, dtype)
 
 
@@ -2250,8 +2255,8 @@ class CudaKernels(ReferenceKernels):
             x.parts if packed_in else 0, HAS_NORM=norm_w is not None or packed_in and x.parts > 0,
             HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
             ROW_BLOCK=row_block, LIVE=live is not None, PACKED=packed_in,
-            P_BLOCK=_pow2(max(x.parts, 1)) if packed_in else 1, QOUT=pack is not None, QRES=q_res is not None,
-            QNORM=q_norm is not None, Q_PBLOCK=_pow2(max(parts, 1)), num_warps=warps, **self._pdl)
+            P_BLOCK=_parts_block(x.parts) if packed_in else 1, QOUT=pack is not None, QRES=q_res is not None,
+            QNORM=q_norm is not None, Q_PBLOCK=_parts_block(parts), num_warps=warps, **self._pdl)
         if q_res is not None:
             return out, res_out
         return (out, res_out) if with_residual else out
