@@ -2,7 +2,7 @@
 
 Perplexity over 1,024 tokens of Hamlet (teacher-forced) and greedy answers to a few chat prompts, for fp32, bf16,
 fp8-e4m3 weights with a 16-bit head and the same with the head in fp8, int4 weights with a 16-bit head and the same
-with the head in fp8 (Precision.head: an int4 head, measured in session 26, cost 15% perplexity). On a backend that
+with the head in fp8 (Precision.head: an int4 head cost 15% perplexity, docs/benchmarks.md). On a backend that
 cannot store a quantized head (the CPU one: its products expand weights anyway) a subclass lets it, so the head's
 rounding is measured apart from any kernel.
 

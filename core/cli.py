@@ -1,4 +1,4 @@
-"""`flashnext` command line (flags and JSON shapes: shared/DESIGN.md)."""
+"""`flashnext` command line (flags and JSON shapes: docs/cli.md)."""
 
 import functools
 import json

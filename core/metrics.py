@@ -1,4 +1,4 @@
-"""Prometheus metrics for `flashnext serve` (names: shared/DESIGN.md, all prefixed `flashnext_`).
+"""Prometheus metrics for `flashnext serve` (names: docs/cli.md, all prefixed `flashnext_`).
 
 Latencies and request outcomes are recorded as they happen; counters that live in the engine (preemptions, prefill
 chunks, prefix hits, speculative-decoding counts, and graph counts where the backend's runner keeps them) are read

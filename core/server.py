@@ -1,4 +1,4 @@
-"""`flashnext serve`: an OpenAI-compatible HTTP API over the engine (routes and names: shared/DESIGN.md).
+"""`flashnext serve`: an OpenAI-compatible HTTP API over the engine (routes and names: docs/cli.md).
 
 POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health, GET /metrics.
 Errors are OpenAI's error object: {"error": {"message", "type", "param", "code"}}.

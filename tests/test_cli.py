@@ -1,4 +1,4 @@
-"""The `flashnext` command line: flags, JSON shapes and one-line errors (shared/DESIGN.md)."""
+"""The `flashnext` command line: flags, JSON shapes and one-line errors (docs/cli.md)."""
 
 import json
 import os

@@ -22,6 +22,11 @@ def test_ci_runs_the_readme_test_command():
     assert quick_start_commands()[1] in ci_lines
 
 
+def test_the_tests_workflow_runs_the_readme_test_command():
+    workflow = ROOT.joinpath(".github", "workflows", "tests.yml").read_text()
+    assert "run: " + quick_start_commands()[1] in [line.strip() for line in workflow.splitlines()]
+
+
 def test_python_example_runs_names_that_exist():
     from flashnext.core import LLM, SamplingParams
 

@@ -46,7 +46,7 @@ LONG_GEMV_MAX_K, LONG_GEMV_MAX_ROWS = 16384, 1
 # 6,949 -> 2,498 / 2,794 / 2,873; 8B bf16 4,165 / 8,582 / 11,486 -> 4,161 / 5,440 / 5,564; 1.7B bf16 1,388 /
 # 1,785 / 2,425 -> 1,391 / 1,446 / 1,546. Int4, the GEMV a row a program (the skinny GEMM widening its nibbles was
 # slower) against the skinny GEMM with Int8Rows: 4B 3,469 / 4,951 -> 2,799 / 2,885, 8B 4,360 / 6,207 -> 3,838 /
-# 4,046, 1.7B 1,561 / 1,999 -> 1,401 / 1,510 (session 20).
+# 4,046, 1.7B 1,561 / 1,999 -> 1,401 / 1,510.
 LARGE_WEIGHT, LARGE_GEMV_MAX_ROWS = 1 << 23, 1
 # Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
 # quantized ones only our kernels read.
@@ -69,12 +69,12 @@ INT4_SKINNY_MAX_ROWS = 32
 # 32 rows, where Int8Rows stay ahead on 4B. One call on an H200 against the route before (Int8Rows up to 32 rows,
 # the pass above), us: 8B down 53.6 -> 36.3 at 32 rows, 76.2 -> 43.0 at 64; 4B gate/up 72.5 -> 44.4 at 64. Fewer
 # outputs make too few programs of 64 weight rows: with 1.7B's down projection (2,048) wide, its int4 engine
-# decoded 5-7% slower at 24 and 32 rows (docs/benchmarks.md, session 24).
+# decoded 5-7% slower at 24 and 32 rows (docs/benchmarks.md).
 INT4_WIDE_ROWS, INT4_WIDE_MIN_N = (17, 64), 2560
 # Up to this many rows the wide route's GEMM starts when its producer has finished, not under programmatic dependent
 # launch: engine int4 decode at 24 and 32 rows 12-13% faster on Qwen3-4B and 8B, 2-3% on 1.7B; at 64 rows PDL stays
 # (4B 3% slower without). Only this route gains: every skinny GEMM so launched made bf16 and fp8 decode 2-12% slower
-# (H200, docs/benchmarks.md, session 25).
+# (H200, docs/benchmarks.md).
 INT4_WIDE_SERIAL_ROWS = 32
 # Decode steps of more rows than this over an fp8-e5m2 cache hand the fp8 o projection its input quantized by the
 # attention kernel, a scale per token and kv group (heads_per_scale), no pass between (H200, Qwen3 shape, captured
@@ -1196,7 +1196,7 @@ def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, N, K, GRO
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One pass from Int4Weight to a 16-bit [N, K] weight (then a GEMM): a program takes BLOCK_R rows x BLOCK_K
     columns; byte i's nibbles (columns 2i, 2i + 1) are interleaved in registers, so each thread stores contiguous
-    16-bit runs (a program a row with two stride-2 stores took twice as long: docs/benchmarks.md, session 13).
+    16-bit runs (a program a row with two stride-2 stores took twice as long on an H200).
 
     Under programmatic dependent launch it waits for its producer (the buffer it writes may be the one the GEMM
     before it reads) but releases the GEMM after it only at its end: released at the start, that GEMM's programs
@@ -1459,7 +1459,7 @@ def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
     64 weight rows a program (one wgmma tile), 256 columns a step and K in two slices; the widest weights (gate/up,
     outputs >= 4 x K) 128 columns and two stages, qkv-like ones of 6,144+ outputs (96+ programs) one slice above
     32 rows. The fastest of 31 configs, or within 2% of it, on Qwen3 1.7B / 4B / 8B's weights at 32, 48 and 64 rows
-    but 1.7B's gate/up (8%: three stages there; H200, docs/benchmarks.md, session 24). Steps are halved until they
+    but 1.7B's gate/up (8%: three stages there; H200). Steps are halved until they
     divide K; None where no step of whole groups does."""
     block_k = 128 if n >= 4 * k else 256
     while k % block_k and block_k > group:
@@ -1477,11 +1477,11 @@ def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
     K (else 256), K in two slices where it is twice the outputs; the widest (gate/up, outputs >= 4 x K) 128
     columns, one slice, 64 weight rows and three stages from K = 4,096; the rest (qkv) 256 columns in two
     slices. The fastest of 54 configs at 2 / 4 / 8 / 16 rows on Qwen3 1.7B / 4B / 8B's large weights, or within 7%
-    of it, but 1.7B's qkv (12-18%: one rule for qkv; H200, docs/benchmarks.md, session 20). 17-32 rows (programs
+    of it, but 1.7B's qkv (12-18%: one rule for qkv; H200). 17-32 rows (programs
     of 32 rows of x; the weights the wide route leaves them: gate/up, and 1.7B's down with its 2,048 outputs): 64
     weight rows, 256 columns and three stages, K in two slices (the fastest of 11 configs at 24 and 32 rows for
     1.7B's gate/up and down, 17-19% and 8% ahead of 128 columns in four stages; within 2% of the fastest for 4B's
-    and 8B's gate/up; session 25). Steps are halved until they divide K (a group divides it)."""
+    and 8B's gate/up). Steps are halved until they divide K (a group divides it)."""
     if rows > 16:
         block_n, block_k, stages, split_k = 64, 256, 3, 2
     elif k >= n:
@@ -1577,7 +1577,7 @@ def _meets_int8_rows(w: Int4Weight) -> bool:
     columns meet Int8Rows of their group in the skinny GEMM (each half of a group fills an int8 mma step of
     32), which streams them 1.7-2.6x faster at 4 rows than widening their nibbles to bf16 there. Others are
     widened (GGUF's 32-column blocks; the smaller weights of Qwen3-0.6B, whose captured steps of 8-32 rows ran
-    5-8% slower with Int8Rows: H200, docs/benchmarks.md, session 20)."""
+    5-8% slower with Int8Rows: H200)."""
     g = w.group_size
     return g >= 64 and g & (g - 1) == 0 and _large_weight(*w.shape)
 
