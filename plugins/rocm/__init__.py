@@ -35,6 +35,7 @@ class RocmBackend(CudaBackend):
     def __init__(self):
         self._attention: AttentionChoice | None = None
         self._clocks_checked = False
+        self._device_facts: tuple[str, GfxTarget, str] | None = None
 
     def probe(self) -> Probe:
         hip = torch.version.hip
@@ -45,7 +46,7 @@ class RocmBackend(CudaBackend):
             return Probe(False, 0.0, f"ROCm torch (HIP {hip}) sees no AMD GPU: check access to /dev/kfd and "
                                      "/dev/dri (video and render groups) and HIP_VISIBLE_DEVICES")
         props = torch.cuda.get_device_properties(0)
-        gfx, target, product = self._target(props)
+        gfx, target, product = self._target()
         fp8 = f"{target.fp8[0]} / {target.fp8[1]}" if target.fp8 else f"none: {gfx} has no FP8"
         try:
             attention = self._choose(self._default_settings(), gfx, target, None)
@@ -102,9 +103,11 @@ class RocmBackend(CudaBackend):
         return chosen
 
     def device_telemetry(self) -> dict:
+        """GPU 0's memory clock, and (in /health) the attention chosen and why."""
         report = clocks.read_memory_clocks()
         first = report.clocks[0] if report.clocks else None
-        out = {}
+        choice = self._attention or self._choose(self._default_settings(), *self._target()[:2], None)
+        out = {"attention": {"prefill": choice.prefill, "decode": "triton", "reason": choice.reason}}
         if first is not None and first.mhz is not None:
             out["memory_clock_mhz"] = first.mhz
         if first is not None and first.max_mhz is not None:
@@ -115,11 +118,13 @@ class RocmBackend(CudaBackend):
         """The attention chosen for the running engine (None before check_request)."""
         return self._attention
 
-    def _target(self, props=None) -> tuple[str, GfxTarget, str]:
-        props = props or torch.cuda.get_device_properties(0)
-        asic = asic_info(0)
-        gfx = gfx_name(props, asic)
-        return gfx, GFX_TARGETS.get(gfx, OTHER_TARGET), product_name(props, asic)
+    def _target(self) -> tuple[str, GfxTarget, str]:
+        """(gfx name, its GfxTarget, product name) of GPU 0, read once."""
+        if self._device_facts is None:
+            props, asic = torch.cuda.get_device_properties(0), asic_info(0)
+            gfx = gfx_name(props, asic)
+            self._device_facts = gfx, GFX_TARGETS.get(gfx, OTHER_TARGET), product_name(props, asic)
+        return self._device_facts
 
     def _default_settings(self) -> Profile:
         return self.profiles()[self.default_profile].overridden(**env_overrides())
