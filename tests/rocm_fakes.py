@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
+from flashnext.plugins.rocm.attention import load_flash_attn
+
 FIXTURES = Path(__file__).parent / "fixtures" / "rocm"
 
 
@@ -133,3 +135,36 @@ def no_amdsmi(monkeypatch) -> None:
 def path_with_only(monkeypatch, bin_dir: Path) -> None:
     """PATH holds bin_dir and the system's directories, so rocm-smi is found exactly when the test put it there."""
     monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"]))
+
+
+def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn_varlen_func's contract computed with torch: GQA, causal mask aligned bottom-right."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_seqlens_q) - 1):
+        qs, qe, ks, ke = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        qi, ki = q[qs:qe].float(), k[ks:ke].float().repeat_interleave(group, 1)
+        vi = v[ks:ke].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
+        if causal:
+            rows = torch.arange(qe - qs).unsqueeze(1) + (ke - ks) - (qe - qs)
+            scores.masked_fill_(torch.arange(ke - ks).unsqueeze(0) > rows, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(q.dtype)
+    return out
+
+
+def fake_flash_attn(monkeypatch) -> list[dict]:
+    calls = []
+    mod = types.ModuleType("flash_attn")
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+        calls.append(dict(zip(names, args)) | kwargs)
+        return reference_varlen(*args, **kwargs)
+
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", mod)
+    load_flash_attn.cache_clear()
+    return calls

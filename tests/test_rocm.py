@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rocm_fakes import fake_amdsmi, install_rocm_smi, no_amdsmi, path_with_only, rocm_torch
+from rocm_fakes import fake_amdsmi, fake_flash_attn, install_rocm_smi, no_amdsmi, path_with_only, rocm_torch
 
 from flashnext.core import registry
 from flashnext.core.cli import app
@@ -20,7 +20,7 @@ from flashnext.core.kernels import AttentionMetadata, ReferenceKernels
 from flashnext.core.metrics import ServerMetrics
 from flashnext.plugins.cuda import CudaBackend, cuda_probe
 from flashnext.plugins.rocm import RocmBackend, attention, clocks
-from flashnext.plugins.rocm.attention import FlashAttnPrefill, choose_attention, with_flash_prefill
+from flashnext.plugins.rocm.attention import FlashAttnPrefill, choose_attention
 from flashnext.plugins.rocm.device import GFX_TARGETS
 
 runner = CliRunner()
@@ -192,39 +192,6 @@ def test_full_profile_has_graphs_chunking_and_ngram_and_basic_rolls_back():
 # -- attention selection --------------------------------------------------------------------------------------
 
 
-def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, block_table=None):
-    """flash_attn_varlen_func's contract computed with torch: GQA, causal mask aligned bottom-right."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    for i in range(len(cu_seqlens_q) - 1):
-        qs, qe, ks, ke = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        qi, ki = q[qs:qe].float(), k[ks:ke].float().repeat_interleave(group, 1)
-        vi = v[ks:ke].float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
-        if causal:
-            rows = torch.arange(qe - qs).unsqueeze(1) + (ke - ks) - (qe - qs)
-            scores.masked_fill_(torch.arange(ke - ks).unsqueeze(0) > rows, float("-inf"))
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(q.dtype)
-    return out
-
-
-def fake_flash_attn(monkeypatch) -> list[dict]:
-    calls = []
-    mod = types.ModuleType("flash_attn")
-
-    def flash_attn_varlen_func(*args, **kwargs):
-        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-        calls.append(dict(zip(names, args)) | kwargs)
-        return reference_varlen(*args, **kwargs)
-
-    mod.flash_attn_varlen_func = flash_attn_varlen_func
-    monkeypatch.setitem(sys.modules, "flash_attn", mod)
-    attention.load_flash_attn.cache_clear()
-    return calls
-
-
 def test_selector_flash_attn_present_absent_and_by_target(monkeypatch):
     cdna3, rdna3 = GFX_TARGETS["gfx942"], GFX_TARGETS["gfx1100"]
     absent = choose_attention("auto", "gfx942", cdna3, torch.bfloat16)
@@ -273,7 +240,7 @@ def paged_step(head_dim: int, query_lens, context_lens, dtype=torch.float16, blo
 
 
 def flash_kernels(monkeypatch):
-    kernels = with_flash_prefill(ReferenceKernels)()
+    kernels = type("FlashAttnReferenceKernels", (FlashAttnPrefill, ReferenceKernels), {})()
     kernels.flash_attn_varlen_func = sys.modules["flash_attn"].flash_attn_varlen_func
     return kernels
 

@@ -2,6 +2,7 @@
 kernels and graph runner (HIP implements torch's CUDA API), with ROCm flash attention for prefill where it runs,
 FP8 in the target's own format (FNUZ on gfx942, OCP on gfx950), and an HBM clock check before serving."""
 
+import functools
 import sys
 
 import torch
@@ -14,7 +15,7 @@ from flashnext.core.profile import Profile, env_overrides
 from flashnext.plugins.cuda import CudaBackend
 
 from . import clocks
-from .attention import AttentionChoice, choose_attention, load_flash_attn, with_flash_prefill
+from .attention import AttentionChoice, FlashAttnPrefill, choose_attention, load_flash_attn
 from .device import GFX_TARGETS, OTHER_TARGET, GfxTarget, asic_info, gfx_name, product_name
 from .fp8 import OwnFormatFp8
 
@@ -78,7 +79,7 @@ class RocmBackend(CudaBackend):
         shared = type(super().kernels(precision))
         # Programmatic dependent launch is NVIDIA's: the shared kernels would enable it from torch's capability,
         # which on ROCm is the gfx number (9.4 on MI300X).
-        kernels = with_flash_prefill(type(f"Rocm{shared.__name__}", (OwnFormatFp8, shared), {}))(pdl=False)
+        kernels = rocm_kernels_class(shared)(pdl=False)
         choice = self._attention or self._choose(self._default_settings(), *self._target()[:2],
                                                  self.activation_dtype(precision))
         kernels.flash_attn_varlen_func = load_flash_attn()[0] if choice.prefill == "flash_attn" else None
@@ -147,6 +148,12 @@ class RocmBackend(CudaBackend):
             raise UserError(f"{problem}; or start without --strict-clocks (FLASHNEXT_STRICT_CLOCKS)")
         if problem:
             print(f"warning: {problem}", file=sys.stderr)
+
+
+@functools.cache
+def rocm_kernels_class(shared: type) -> type:
+    """The shared kernels' class (CudaBackend.kernels builds it) with flash_attn prefill and own-format FP8."""
+    return type(f"Rocm{shared.__name__}", (FlashAttnPrefill, OwnFormatFp8, shared), {})
 
 
 @hookimpl

@@ -91,8 +91,3 @@ class FlashAttnPrefill:
         # causal=True masks bottom-right aligned: a chunk's queries are the last rows of their context.
         return self.flash_attn_varlen_func(q.contiguous(), k, v, meta.query_start, cu_seqlens_k, meta.max_query_len,
                                            meta.max_context_len, softmax_scale=scale, causal=True)
-
-
-@functools.cache
-def with_flash_prefill(kernels_class: type) -> type:
-    return type(f"FlashAttn{kernels_class.__name__}", (FlashAttnPrefill, kernels_class), {})
