@@ -331,7 +331,9 @@ def test_memory_clock_reaches_metrics_and_health(monkeypatch, tiny_llama):
     llm = LLM(tiny_llama, backend="cpu", max_num_seqs=2, max_num_batched_tokens=32, kv_cache_max_gib=0.01)
     rocm_torch(monkeypatch, "mi300x")
     use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
-    monkeypatch.setattr(llm.engine, "backend", RocmBackend())  # a CPU engine reporting the ROCm fixture's device
+    backend = RocmBackend()
+    backend.check_request("bf16", backend.profiles()["full"])  # what the engine asks first: the attention choice
+    monkeypatch.setattr(llm.engine, "backend", backend)  # a CPU engine reporting the ROCm fixture's device
     text = ServerMetrics(llm.engine).render().decode()
     assert "flashnext_device_memory_clock_mhz 900.0" in text
     assert "flashnext_device_memory_clock_max_mhz 1300.0" in text
@@ -371,7 +373,14 @@ EXPLAIN_CASES = {
     "mi300x-values-na": ("mi300x", "amdsmi_mi300x_na.json", None, "GPU 0 N/A of N/A"),
     "amdsmi-missing-rocm-smi-present": ("mi300x", None, "rocm_smi_mi300x_low_hbm.txt", "(rocm-smi): GPU 0 900 MHz"),
     "neither-present": ("mi300x", None, None, "memory clock unknown: amdsmi is not installed"),
+    "mi210-rocm57-amdsmi": ("mi210", "amdsmi_rocm57_mi210.json", None, "GPU 0 1600 MHz of 1600 MHz"),
+    "mi355x-rocm-smi-json-only": ("mi355x", None, (None, "rocm_smi_mi300x_showclocks.json"),
+                                  "(rocm-smi --json): GPU 0 900 MHz of N/A"),
+    "rx7900-neither-present": ("rx7900", None, None, "memory clock unknown"),
 }
+TARGET_FACTS = {"mi300x": ("gfx942", "float8_e4m3fnuz / float8_e5m2fnuz"), "mi355x": ("gfx950", "float8_e4m3fn / "
+                "float8_e5m2"), "mi210": ("gfx90a", "none: gfx90a has no FP8"), "rx7900": ("gfx1100", "none: gfx1100 "
+                "has no FP8")}
 
 
 def render_explain(monkeypatch, tmp_path, case: str) -> str:
@@ -380,7 +389,8 @@ def render_explain(monkeypatch, tmp_path, case: str) -> str:
     if amdsmi_fixture:
         use_amdsmi(monkeypatch, amdsmi_fixture)
     if rocm_smi_fixture:
-        install_rocm_smi(tmp_path / "bin", rocm_smi_fixture)
+        text, js = rocm_smi_fixture if isinstance(rocm_smi_fixture, tuple) else (rocm_smi_fixture, None)
+        install_rocm_smi(tmp_path / "bin", text, js)
     monkeypatch.setenv("COLUMNS", "250")
     result = runner.invoke(app, ["backends", "--explain"])
     assert result.exit_code == 0, result.output
@@ -394,6 +404,8 @@ def test_backends_explain_for_each_fixture(monkeypatch, tmp_path, case):
     rocm_line = next(line for line in output.splitlines() if line.startswith("rocm: "))
     facts = json.loads(rocm_line.removeprefix("rocm: "))
     assert EXPLAIN_CASES[case][3] in facts["memory_clock"]["idle_reading"]
-    assert facts["gfx_target"] == "gfx942" and facts["fp8"] == "float8_e4m3fnuz / float8_e5m2fnuz"
-    assert facts["attention"]["prefill"] == "triton" and "flash_attn does not import" in facts["attention"]["reason"]
+    assert (facts["gfx_target"], facts["fp8"]) == TARGET_FACTS[EXPLAIN_CASES[case][0]]
+    assert facts["attention"]["prefill"] == "triton"
+    why_not = "does not support gfx1100" if facts["gfx_target"] == "gfx1100" else "flash_attn does not import"
+    assert why_not in facts["attention"]["reason"]
     assert "rocm backend serves it" in output  # cuda's row

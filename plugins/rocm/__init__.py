@@ -10,7 +10,7 @@ import torch
 from flashnext.core.backend import Backend, Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
-from flashnext.core.precision import FP8_FORMATS, FP8_MAX
+from flashnext.core.precision import FP8_MAX
 from flashnext.core.profile import Profile, env_overrides
 from flashnext.plugins.cuda import CudaBackend
 
@@ -65,8 +65,9 @@ class RocmBackend(CudaBackend):
             "compute_units": props.multi_processor_count,
             "fp8": fp8.replace("torch.", ""),
             "attention": attention_facts,
-            "memory_clock": memory.as_facts() | {"idle_reading": memory.summary(),
-                                                 "checked_under_load": "before serving"},
+            "memory_clock": memory.as_facts() | {
+                "idle_reading": memory.summary(),
+                "check": "under load before serving: a low clock warns, --strict-clocks refuses to start"},
         }
         known = "" if target is not OTHER_TARGET else "; not a tested target: bf16 / fp16 / int4 only"
         return Probe(True, SCORE, f"{product} ({gfx}, {target.family}; HIP {hip}){known}", facts)
@@ -104,11 +105,12 @@ class RocmBackend(CudaBackend):
         return chosen
 
     def device_telemetry(self) -> dict:
-        """GPU 0's memory clock, and (in /health) the attention chosen and why."""
+        """GPU 0's memory clock, and (in /health) the attention the engine chose and why."""
         report = clocks.read_memory_clocks()
         first = report.clocks[0] if report.clocks else None
-        choice = self._attention or self._choose(self._default_settings(), *self._target()[:2], None)
-        out = {"attention": {"prefill": choice.prefill, "decode": "triton", "reason": choice.reason}}
+        out = {}
+        if self._attention is not None:
+            out["attention"] = {"prefill": self._attention.prefill, "decode": "triton", "reason": self._attention.reason}
         if first is not None and first.mhz is not None:
             out["memory_clock_mhz"] = first.mhz
         if first is not None and first.max_mhz is not None:
