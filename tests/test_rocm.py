@@ -377,6 +377,7 @@ EXPLAIN_CASES = {
     "mi355x-rocm-smi-json-only": ("mi355x", None, (None, "rocm_smi_mi300x_showclocks.json"),
                                   "(rocm-smi --json): GPU 0 900 MHz of N/A"),
     "rx7900-neither-present": ("rx7900", None, None, "memory clock unknown"),
+    "mi300x-flash-attn-present": ("mi300x", "amdsmi_mi300x_full.json", None, "GPU 0 1300 MHz of 1300 MHz"),
 }
 TARGET_FACTS = {"mi300x": ("gfx942", "float8_e4m3fnuz / float8_e5m2fnuz"), "mi355x": ("gfx950", "float8_e4m3fn / "
                 "float8_e5m2"), "mi210": ("gfx90a", "none: gfx90a has no FP8"), "rx7900": ("gfx1100", "none: gfx1100 "
@@ -388,6 +389,8 @@ def render_explain(monkeypatch, tmp_path, case: str) -> str:
     rocm_torch(monkeypatch, gpu, count=8)
     if amdsmi_fixture:
         use_amdsmi(monkeypatch, amdsmi_fixture)
+    if "flash-attn-present" in case:
+        fake_flash_attn(monkeypatch)
     if rocm_smi_fixture:
         text, js = rocm_smi_fixture if isinstance(rocm_smi_fixture, tuple) else (rocm_smi_fixture, None)
         install_rocm_smi(tmp_path / "bin", text, js)
@@ -405,7 +408,12 @@ def test_backends_explain_for_each_fixture(monkeypatch, tmp_path, case):
     facts = json.loads(rocm_line.removeprefix("rocm: "))
     assert EXPLAIN_CASES[case][3] in facts["memory_clock"]["idle_reading"]
     assert (facts["gfx_target"], facts["fp8"]) == TARGET_FACTS[EXPLAIN_CASES[case][0]]
-    assert facts["attention"]["prefill"] == "triton"
-    why_not = "does not support gfx1100" if facts["gfx_target"] == "gfx1100" else "flash_attn does not import"
-    assert why_not in facts["attention"]["reason"]
+    if "flash-attn-present" in case:
+        assert facts["attention"]["prefill"] == "flash_attn" and "head dim <= 256" in facts["attention"]["reason"]
+    else:
+        assert facts["attention"]["prefill"] == "triton"
+        why_not = "does not support gfx1100" if facts["gfx_target"] == "gfx1100" else "flash_attn does not import"
+        assert why_not in facts["attention"]["reason"]
+    rocm_row = next(line for line in output.splitlines() if line.startswith("│ rocm"))
+    assert ("fp8-e4m3" in rocm_row) == (facts["fp8"] != f"none: {facts['gfx_target']} has no FP8")
     assert "rocm backend serves it" in output  # cuda's row

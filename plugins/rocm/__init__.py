@@ -69,6 +69,8 @@ class RocmBackend(CudaBackend):
                 "idle_reading": memory.summary(),
                 "check": "under load before serving: a low clock warns, --strict-clocks refuses to start"},
         }
+        if target.fp8 is None:  # what `flashnext backends` lists for this machine
+            self.precisions = tuple(p for p in self.precisions if p not in FP8_MAX)
         known = "" if target is not OTHER_TARGET else "; not a tested target: bf16 / fp16 / int4 only"
         return Probe(True, SCORE, f"{product} ({gfx}, {target.family}; HIP {hip}){known}", facts)
 
@@ -93,12 +95,12 @@ class RocmBackend(CudaBackend):
         return self.default_precision  # FP8 on AMD runs only when asked for (--precision), see docs/backends.md
 
     def check_request(self, precision: str, profile: Profile):
-        chosen = Backend.check_request(self, precision, profile)  # CudaBackend's FP8 test reads CUDA capabilities
         gfx, target, product = self._target()
+        if precision in FP8_MAX and target.fp8 is None:
+            raise UserError(f"{precision} needs FP8 hardware (gfx942: FNUZ, gfx950: OCP); {product} is {gfx}: "
+                            "use --precision bf16, fp16 or int4")
+        chosen = Backend.check_request(self, precision, profile)  # CudaBackend's FP8 test reads CUDA capabilities
         if chosen.name in FP8_MAX:
-            if target.fp8 is None:
-                raise UserError(f"{precision} needs FP8 hardware (gfx942: FNUZ, gfx950: OCP); {product} is {gfx}: "
-                                "use --precision bf16, fp16 or int4")
             chosen = chosen.stored_as(target.fp8[0] if chosen.name == "fp8-e4m3" else target.fp8[1])
         self._attention = self._choose(profile, gfx, target, self.activation_dtype(chosen))
         self._check_clocks(profile)
