@@ -41,7 +41,8 @@ class Profile(BaseModel):
     quantize_lm_head: bool = False
     # The attention kernel, where a backend offers a choice (Backend.attention_kernels): auto lets it pick.
     attention: str = "auto"
-    # Refuse to start when the device reports clocks below their maximum under load (Backend.check_request).
+    # Refuse to start when the device reports clocks below their maximum under load, or cannot report them; only
+    # backends that check clocks before serving read it (in check_request).
     strict_clocks: bool = False
 
     def overridden(self, **changes) -> "Profile":

@@ -15,7 +15,7 @@ from .device import amdsmi_session
 
 REMEDY = ("raise it with `sudo amd-smi set --perf-level HIGH` (or `rocm-smi --setperflevel high`), or pin clocks "
           "with a performance-determinism mode (`amd-smi set --perf-determinism`, `rocm-smi --setperfdeterminism`)"
-          " or the COMPUTE power profile (`rocm-smi --setprofile COMPUTE`)")
+          " or, where the GPU has power profiles, the COMPUTE one (`rocm-smi --showprofile`, then --setprofile)")
 
 
 @dataclass
