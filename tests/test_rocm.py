@@ -330,9 +330,10 @@ def test_memory_clock_reaches_metrics_and_health(monkeypatch, tiny_llama):
 
     llm = LLM(tiny_llama, backend="cpu", max_num_seqs=2, max_num_batched_tokens=32, kv_cache_max_gib=0.01)
     rocm_torch(monkeypatch, "mi300x")
-    use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
+    smi = use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
     backend = RocmBackend()
     backend.check_request("bf16", backend.profiles()["full"])  # what the engine asks first: the attention choice
+    opened = smi.calls["init"]
     monkeypatch.setattr(llm.engine, "backend", backend)  # a CPU engine reporting the ROCm fixture's device
     text = ServerMetrics(llm.engine).render().decode()
     assert "flashnext_device_memory_clock_mhz 900.0" in text
@@ -340,6 +341,7 @@ def test_memory_clock_reaches_metrics_and_health(monkeypatch, tiny_llama):
     health = json.loads(Server(llm).health().body)
     assert health["device"]["memory_clock_mhz"] == 900.0 and health["device"]["memory_clock_max_mhz"] == 1300.0
     assert health["device"]["attention"]["prefill"] == "triton" and "flash_attn" in health["device"]["attention"]["reason"]
+    assert smi.calls["init"] == opened + 1  # a scrape and a /health moments apart share one reading
 
 
 def test_unreadable_telemetry_is_left_out_and_other_kinds_are_exposed():

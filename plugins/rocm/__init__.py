@@ -4,6 +4,7 @@ FP8 in the target's own format (FNUZ on gfx942, OCP on gfx950), and an HBM clock
 
 import functools
 import sys
+import time
 
 import torch
 
@@ -20,6 +21,7 @@ from .device import GFX_TARGETS, OTHER_TARGET, GfxTarget, asic_info, gfx_name, p
 from .fp8 import OwnFormatFp8
 
 SCORE = 110.0  # above cuda's 100, which steps aside on a ROCm torch anyway
+TELEMETRY_TTL_S = 2.0  # /health and /metrics share a reading: rocm-smi is a process start each time
 
 
 class RocmBackend(CudaBackend):
@@ -37,6 +39,7 @@ class RocmBackend(CudaBackend):
         self._attention: AttentionChoice | None = None
         self._clocks_checked = False
         self._device_facts: tuple[str, GfxTarget, str] | None = None
+        self._telemetry: tuple[float, clocks.ClockReport] | None = None
 
     def probe(self) -> Probe:
         hip = torch.version.hip
@@ -108,7 +111,9 @@ class RocmBackend(CudaBackend):
 
     def device_telemetry(self) -> dict:
         """GPU 0's memory clock, and (in /health) the attention the engine chose and why."""
-        report = clocks.read_memory_clocks()
+        if self._telemetry is None or time.monotonic() - self._telemetry[0] > TELEMETRY_TTL_S:
+            self._telemetry = time.monotonic(), clocks.read_memory_clocks()
+        report = self._telemetry[1]
         first = report.clocks[0] if report.clocks else None
         out = {}
         if self._attention is not None:
