@@ -128,7 +128,7 @@ def test_validation_uses_the_formats_own_maximum():
 
 
 def test_fp8_linear_rounds_activations_to_the_weights_own_format(monkeypatch):
-    from flashnext.plugins.rocm.fp8 import fp8_linear
+    from flashnext.plugins.rocm.routes import fp8_linear
 
     seen = {}
 

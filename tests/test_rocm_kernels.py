@@ -72,7 +72,7 @@ def test_kernels_are_the_shared_ones_with_flash_prefill_and_own_format_fp8(monke
     kernels, _ = rocm_kernels(monkeypatch, tmp_path, with_flash=True)
     shared = type(CudaBackend().kernels(PRECISIONS["bf16"]))
     assert isinstance(kernels, shared) and kernels.flash_attn_varlen_func is not None
-    assert [c.__name__ for c in type(kernels).__mro__[1:3]] == ["FlashAttnPrefill", "OwnFormatFp8"]
+    assert [c.__name__ for c in type(kernels).__mro__[1:4]] == ["FlashAttnPrefill", "OwnFormatFp8", "NoInt4Gemv"]
     assert type(kernels) is type(rocm_kernels(monkeypatch, tmp_path, with_flash=False)[0])  # one class, not one a call
     without, _ = rocm_kernels(monkeypatch, tmp_path, with_flash=False)
     assert without.flash_attn_varlen_func is None
@@ -115,3 +115,19 @@ def test_fnuz_fp8_projection_past_the_gemv_rows_meets_fnuz_activations(monkeypat
     reference = x.float() @ w.dequantize().t()
     assert ((out.float() - reference).norm() / reference.norm()) < 0.06
     assert not kernels._takes_fp8_rows(x, w)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 24])
+def test_int4_never_takes_the_ptx_gemv_and_matches_the_shared_kernels(monkeypatch, tmp_path, rows):
+    kernels, _ = rocm_kernels(monkeypatch, tmp_path, with_flash=False, precision="int4")
+    shared = type(CudaBackend().kernels(PRECISIONS["int4"]))()
+    torch.manual_seed(4)
+    w = PRECISIONS["int4"].quantize(torch.randn(96, 256, device=DEV))
+    x = torch.randn(rows, 256, dtype=torch.bfloat16, device=DEV)
+    assert not kernels._gemv_route(x, w) and (rows > 4 or shared._gemv_route(x, w))
+    dense = torch.randn(96, 256, dtype=torch.bfloat16, device=DEV)
+    assert kernels._gemv_route(x, dense) == shared._gemv_route(x, dense)  # 16-bit weights keep the GEMV
+    out, expected = kernels.linear(x, w), shared.linear(x, w)
+    reference = x.float() @ w.dequantize().t()
+    assert ((out.float() - reference).norm() / reference.norm()) < 0.02
+    assert ((out.float() - expected.float()).norm() / reference.norm()) < 0.02

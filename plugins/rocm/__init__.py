@@ -18,7 +18,7 @@ from flashnext.plugins.cuda import CudaBackend
 from . import clocks
 from .attention import AttentionChoice, FlashAttnPrefill, choose_attention, load_flash_attn
 from .device import GFX_TARGETS, OTHER_TARGET, GfxTarget, asic_info, gfx_name, product_name
-from .fp8 import OwnFormatFp8
+from .routes import NoInt4Gemv, OwnFormatFp8
 
 SCORE = 110.0  # above cuda's 100, which steps aside on a ROCm torch anyway
 TELEMETRY_TTL_S = 2.0  # /health and /metrics share a reading: rocm-smi is a process start each time
@@ -161,8 +161,9 @@ class RocmBackend(CudaBackend):
 
 @functools.cache
 def rocm_kernels_class(shared: type) -> type:
-    """The shared kernels' class (CudaBackend.kernels builds it) with flash_attn prefill and own-format FP8."""
-    return type(f"Rocm{shared.__name__}", (FlashAttnPrefill, OwnFormatFp8, shared), {})
+    """The shared kernels' class (CudaBackend.kernels builds it) with flash_attn prefill, own-format FP8 and no
+    PTX integer dots."""
+    return type(f"Rocm{shared.__name__}", (FlashAttnPrefill, OwnFormatFp8, NoInt4Gemv, shared), {})
 
 
 @hookimpl

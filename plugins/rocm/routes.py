@@ -1,10 +1,11 @@
-"""FP8 projections on ROCm in the weights' own format: FNUZ on gfx942, OCP on gfx950. The shared Triton kernels
-write fp8 activations as OCP e4m3, which FNUZ weights cannot meet in one product."""
+"""Where the ROCm kernels route projections away from the shared ones: FP8 in the weights' own format (FNUZ on
+gfx942, OCP on gfx950; the shared Triton kernels write fp8 activations as OCP e4m3, which FNUZ weights cannot meet
+in one product), and int4 past the register GEMV, whose integer dots are NVIDIA PTX (dp4a)."""
 
 import torch
 import torch.nn.functional as F
 
-from flashnext.core.precision import Fp8Weight, fp8_quantize_per_token
+from flashnext.core.precision import Fp8Weight, Int4Weight, fp8_quantize_per_token
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
@@ -30,3 +31,11 @@ class OwnFormatFp8:
             out = fp8_linear(x, w)
             return out if bias is None else out + bias.to(out.dtype)
         return super().linear(x, w, bias, live=live)
+
+
+class NoInt4Gemv:
+    """Mixed into the shared kernels' class: int4 weights take the skinny GEMM (int8 tl.dot) or a dequantization
+    pass and hipBLAS, never the register GEMV's dp4a."""
+
+    def _gemv_fits(self, x, w) -> bool:
+        return not isinstance(w, Int4Weight) and super()._gemv_fits(x, w)
