@@ -419,3 +419,17 @@ def test_backends_explain_for_each_fixture(monkeypatch, tmp_path, case):
     rocm_row = next(line for line in output.splitlines() if line.startswith("│ rocm"))
     assert ("fp8-e4m3" in rocm_row) == (facts["fp8"] != f"none: {facts['gfx_target']} has no FP8")
     assert "rocm backend serves it" in output  # cuda's row
+
+
+def test_a_steps_context_slots_are_built_once_for_all_layers(monkeypatch):
+    calls = fake_flash_attn(monkeypatch)
+    kernels = flash_kernels(monkeypatch)
+    built = []
+    real = attention.context_slots
+    monkeypatch.setattr(attention, "context_slots", lambda *a: built.append(1) or real(*a))
+    q, k_cache, v_cache, meta = paged_step(64, query_lens=[5, 3], context_lens=[5, 9])
+    for _layer in range(3):
+        kernels.attention(q, k_cache, v_cache, meta, 0.125)
+    _, _, _, next_meta = paged_step(64, query_lens=[4], context_lens=[4])
+    kernels.attention(q[:4], k_cache, v_cache, next_meta, 0.125)
+    assert len(calls) == 4 and len(built) == 2

@@ -61,21 +61,16 @@ def flash_fits(q: torch.Tensor, meta: AttentionMetadata) -> bool:
             and meta.block_tables.shape[0] == n == meta.context_lens.shape[0])
 
 
-def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype):
-    """Each sequence's cached keys and values laid end to end ([sum of context lengths, KV heads, D], in dtype)
-    and their cumulative lengths (int32 [B + 1]), as flash_attn's varlen API takes them."""
-    device, block_size = k_cache.device, k_cache.shape[1]
+def context_slots(meta: AttentionMetadata, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of each sequence's context tokens laid end to end ([sum of context lengths] int64) and their
+    cumulative lengths (int32 [B + 1]), as flash_attn's varlen API counts keys."""
     lens = torch.tensor(meta.context_lens_host, dtype=torch.int64)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    total = int(cu[-1])
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pos = torch.arange(total) - cu[:-1].long().repeat_interleave(lens)
-    seq, pos = seq.to(device), pos.to(device)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens).to(device)
+    pos = (torch.arange(int(cu[-1])) - cu[:-1].long().repeat_interleave(lens)).to(device)
     slots = meta.block_tables[seq, pos // block_size].long() * block_size + pos % block_size
-    k = k_cache.flatten(0, 1)[slots].to(dtype)
-    v = v_cache.flatten(0, 1)[slots].to(dtype)
-    return k, v, cu.to(device)
+    return slots, cu.to(device)
 
 
 class FlashAttnPrefill:
@@ -83,11 +78,16 @@ class FlashAttnPrefill:
     every decode step) through the class it is mixed into."""
 
     flash_attn_varlen_func = None
+    _slots_of: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None  # the step's, for every layer
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
         if self.flash_attn_varlen_func is None or not flash_fits(q, meta):
             return super().attention(q, k_cache, v_cache, meta, scale)
-        k, v, cu_seqlens_k = gather_context(k_cache, v_cache, meta, q.dtype)
+        if self._slots_of is None or self._slots_of[0] is not meta:
+            self._slots_of = (meta, *context_slots(meta, k_cache.shape[1], k_cache.device))
+        _, slots, cu_seqlens_k = self._slots_of
+        k = k_cache.flatten(0, 1)[slots].to(q.dtype)
+        v = v_cache.flatten(0, 1)[slots].to(q.dtype)
         # causal=True masks bottom-right aligned: a chunk's queries are the last rows of their context.
         return self.flash_attn_varlen_func(q.contiguous(), k, v, meta.query_start, cu_seqlens_k, meta.max_query_len,
                                            meta.max_context_len, softmax_scale=scale, causal=True)
