@@ -26,6 +26,8 @@ class Backend:
     default_precision: str = "fp32"
     # Optimizations this backend implements; asking for an undeclared one is refused.
     features: dict[str, bool] = {}
+    # Attention kernels a profile may name (Profile.attention) besides auto.
+    attention_kernels: tuple[str, ...] = ()
 
     def probe(self) -> Probe:
         raise NotImplementedError
@@ -55,6 +57,12 @@ class Backend:
         """Whether this backend can store the LM head of `precision` weights quantized, in precision.head (a tied
         one then keeps a copy apart from the embedding table), as the profile's quantize_lm_head asks."""
         return False
+
+    def device_telemetry(self) -> dict:
+        """What the device reports now, for /health and /metrics; any subset of: temperature_celsius {zone: float},
+        memory_clock_mhz, memory_clock_max_mhz (floats), power_mode (str). Empty where nothing can be read. Other
+        keys a backend adds appear in /health only."""
+        return {}
 
     def preferred_precision(self, weights: dict) -> str:
         """The precision used when none is asked for; may depend on how the checkpoint is stored."""
@@ -88,4 +96,8 @@ class Backend:
                 raise UserError(f"backend '{self.name}' does not implement {feature}; use --profile basic")
         if profile.spec != "none" and not self.features.get("spec_decode"):
             raise UserError(f"backend '{self.name}' does not implement speculative decoding; use --spec none")
+        if profile.attention != "auto" and profile.attention not in self.attention_kernels:
+            offered = ", ".join(("auto",) + self.attention_kernels)
+            raise UserError(f"attention '{profile.attention}' is not offered by backend '{self.name}'"
+                            f" (choose {offered}; FLASHNEXT_ATTENTION)")
         return PRECISIONS[precision]

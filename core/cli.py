@@ -128,6 +128,8 @@ def run(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Print every backend probe's verdict.")] = False,
+    strict_clocks: Annotated[bool, typer.Option(
+        "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load.")] = False,
 ):
     """Generate a completion for PROMPT."""
     from .llm import LLM
@@ -136,7 +138,8 @@ def run(
     params = _sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     with stderr.status("loading model…", spinner="dots") if not as_json and sys.stderr.isatty() else _nothing():
         llm = LLM(model=model, backend=backend, precision=precision, profile=profile, spec=spec,
-                  spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+                  spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                  strict_clocks=strict_clocks or None)
     if explain:
         _explain(llm.info.entries, llm.info.backend)
     ids = llm.encode(text, chat=chat)

@@ -25,6 +25,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         envvar="FLASHNEXT_API_KEY", help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info, debug.")] = "info",
+    strict_clocks: Annotated[bool, typer.Option(
+        "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load.")] = False,
 ):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     import uvicorn
@@ -39,7 +41,7 @@ def serve(
     spinner = Console(stderr=True).status("loading model…", spinner="dots")
     with spinner if sys.stderr.isatty() else contextlib.nullcontext():
         llm = LLM(model=model, backend=backend, precision=precision, profile=profile, max_num_seqs=max_num_seqs,
-                  max_model_len=max_model_len)
+                  max_model_len=max_model_len, strict_clocks=strict_clocks or None)
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name})"
           f" on http://{host}:{port}", file=sys.stderr)
     app = create_app(llm, api_key=api_key, max_queue=max_queue)

@@ -6,7 +6,7 @@ at scrape time, so they are never out of step.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -43,6 +43,24 @@ class EngineCollector:
         used = blocks.num_blocks - blocks.num_free
         yield GaugeMetricFamily("flashnext_kv_cache_usage_ratio", "Fraction of KV blocks held by requests",
                                 value=used / blocks.num_blocks)
+        yield from device_metrics(engine.backend.device_telemetry())
+
+
+def device_metrics(telemetry: dict):
+    """Backend.device_telemetry() as gauges; what the backend cannot read is left out, not reported as 0."""
+    if "temperature_celsius" in telemetry:
+        temps = GaugeMetricFamily("flashnext_device_temperature_celsius", "Device temperature by sensor zone",
+                                  labels=["zone"])
+        for zone, celsius in telemetry["temperature_celsius"].items():
+            temps.add_metric([zone], celsius)
+        yield temps
+    for key, doc in (("memory_clock_mhz", "Device memory clock now"),
+                     ("memory_clock_max_mhz", "Highest device memory clock")):
+        if telemetry.get(key) is not None:
+            yield GaugeMetricFamily(f"flashnext_device_{key}", doc, value=telemetry[key])
+    if telemetry.get("power_mode") is not None:  # exposed as flashnext_device_power_mode_info{mode} 1
+        yield InfoMetricFamily("flashnext_device_power_mode", "Device power mode",
+                               value={"mode": str(telemetry["power_mode"])})
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

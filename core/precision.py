@@ -7,7 +7,7 @@ what kernels consume), so change them only together with the kernels and tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -16,7 +16,35 @@ from .errors import UserError
 
 FP8_MAX = {"fp8-e4m3": 448.0, "fp8-e5m2": 57344.0}
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
-_FP8_NAME = {dtype: name for name, dtype in FP8_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One way of storing an fp8 precision: the OCP formats (the precisions' default storage) or the FNUZ ones
+    (AMD gfx942), which have no inf and no negative zero, spend the byte 0x80 on their only NaN, and stop at a
+    smaller maximum. Codecs saturate at `max`, so finite input never reaches a NaN or inf encoding."""
+
+    precision: str  # the precision it stores: fp8-e4m3 or fp8-e5m2
+    dtype: torch.dtype
+    max: float
+    has_inf: bool
+    nan_bytes: tuple[int, ...]  # every byte that decodes to NaN
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+FP8_FORMATS: dict[torch.dtype, Fp8Format] = {
+    f.dtype: f
+    for f in (
+        Fp8Format("fp8-e4m3", torch.float8_e4m3fn, 448.0, False, (0x7F, 0xFF)),
+        Fp8Format("fp8-e5m2", torch.float8_e5m2, 57344.0, True, tuple(range(0x7D, 0x80)) + tuple(range(0xFD, 0x100))),
+        Fp8Format("fp8-e4m3", torch.float8_e4m3fnuz, 240.0, False, (0x80,)),
+        Fp8Format("fp8-e5m2", torch.float8_e5m2fnuz, 57344.0, False, (0x80,)),
+    )
+}
+_FP8_NAME = {dtype: f.precision for dtype, f in FP8_FORMATS.items()}
 
 # GGUF 4-bit blocks always hold 32 elements; bytes per block differ by the header (fp16 d, or d and m).
 _GGUF_BLOCK = 32
@@ -195,6 +223,10 @@ class Fp8Weight:
         return _FP8_NAME[self.data.dtype]
 
     @property
+    def format(self) -> Fp8Format:
+        return FP8_FORMATS[self.data.dtype]
+
+    @property
     def per_channel(self) -> bool:
         return self.block is None and (self.scale.shape[0] != 1 or self.data.shape[0] == 1)
 
@@ -236,14 +268,26 @@ def _fp8_format(fmt: str) -> str:
     return fmt
 
 
-def _fp8_cast(x: torch.Tensor, amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale so amax lands on the format maximum, then saturate, so finite input never becomes inf/NaN."""
-    fmax = FP8_MAX[fmt]
+def _storage(fmt: str, dtype: torch.dtype | None) -> torch.dtype:
+    """The fp8 dtype storing precision `fmt`: its OCP default, or a format of FP8_FORMATS for that precision."""
+    dtype = dtype or FP8_DTYPES[fmt]
+    if dtype not in FP8_FORMATS or FP8_FORMATS[dtype].precision != fmt:
+        raise UserError(f"{dtype} cannot store {fmt}; use one of "
+                        f"{', '.join(f.name for f in FP8_FORMATS.values() if f.precision == fmt)}")
+    return dtype
+
+
+def _fp8_cast(x: torch.Tensor, amax: torch.Tensor, fmt: str,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale so amax lands on the format maximum, then saturate, so finite input never becomes inf/NaN (in the
+    FNUZ formats an out-of-range cast would give NaN, having no inf)."""
+    dtype = _storage(fmt, dtype)
+    fmax = FP8_FORMATS[dtype].max
     scale = _divide(amax, fmax)
     # A tiny amax can underflow amax/fmax to 0; the smallest subnormal keeps x/scale finite and <= fmax.
     scale = torch.clamp(scale, min=torch.finfo(torch.float32).smallest_normal * 2.0**-23)
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
-    data = (x / scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt])  # clamp keeps NaN, so NaN input stays NaN
+    data = (x / scale).clamp(-fmax, fmax).to(dtype)  # clamp keeps NaN, so NaN input stays NaN
     return data, scale
 
 
@@ -253,12 +297,14 @@ def _finite_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
     return a.amax(dim=dim, keepdim=True) if dim is not None else a.amax().reshape(1, 1)
 
 
-def fp8_quantize(w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = True) -> Fp8Weight:
+def fp8_quantize(w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = True,
+                 dtype: torch.dtype | None = None) -> Fp8Weight:
+    """dtype: the storage (FP8_FORMATS) when not the precision's OCP default."""
     fmt = _fp8_format(fmt)
     if w.dim() != 2:
         raise UserError(f"fp8_quantize: expected a 2-D [N, K] weight, got shape {tuple(w.shape)}")
     x = w.float()
-    data, scale = _fp8_cast(x, _finite_amax(x, dim=-1 if per_channel else None), fmt)
+    data, scale = _fp8_cast(x, _finite_amax(x, dim=-1 if per_channel else None), fmt, dtype)
     return Fp8Weight(data, scale)
 
 
@@ -284,11 +330,12 @@ def fp8_block_weight(data: torch.Tensor, multipliers: torch.Tensor, block: tuple
     return Fp8Weight(data, multipliers.float(), block)
 
 
-def fp8_quantize_per_token(x: torch.Tensor, fmt: str = "fp8-e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_per_token(x: torch.Tensor, fmt: str = "fp8-e4m3",
+                           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: one scale per row (token). Returns (fp8 [..., K], float32 scale [..., 1])."""
     fmt = _fp8_format(fmt)
     x = x.float()
-    return _fp8_cast(x, _finite_amax(x, dim=-1), fmt)
+    return _fp8_cast(x, _finite_amax(x, dim=-1), fmt, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,9 +388,10 @@ def validate_weight(name: str, w: Weight, fmt: str | None = None) -> None:
         wfmt = w.fmt
         if fmt is not None and fmt != wfmt:
             raise UserError(f"weight {name!r} is stored as {wfmt} but precision {fmt} was asked for; requantize it")
-        fmax = FP8_MAX[wfmt]
+        fmax = w.format.max
         data = w.data.float()
-        _report_bad(name, ~torch.isfinite(data) | (data.abs() > fmax), f"{wfmt} values are inf/NaN or outside ±{fmax:g}", fix)
+        _report_bad(name, ~torch.isfinite(data) | (data.abs() > fmax),
+                    f"{w.format.name} values are inf/NaN or outside ±{fmax:g}", fix)
         s = w.scale.float()
         _report_bad(name, ~torch.isfinite(s) | (s <= 0), "fp8 scales are not finite and positive", fix)
     elif isinstance(w, Int4Weight):
@@ -384,14 +432,20 @@ class Precision:
             group_size = group_size or next((g for g in (128, 64, 32) if k % g == 0), 128)
             return int4_quantize(_dequantize(w, torch.float32), group_size=group_size)
         if self.name in FP8_MAX:
-            if isinstance(w, Fp8Weight) and w.fmt == self.name and w.block is None:
+            if isinstance(w, Fp8Weight) and w.data.dtype == self.storage_dtype and w.block is None:
                 return w
             # Block scales are rounded again to a scale a row, what the kernels take. That doubles the weights'
             # NMSE against their originals (2048 x 2048 normal or Student-t values: 7e-4 -> 1.4e-3) but not the
             # text's: SmolLM2 stored as 128 x 128 block fp8, Hamlet perplexity 40.845 as its values, 40.848
             # rounded again (benchmarks/bench_fp8_block_rounding.py).
-            return fp8_quantize(_dequantize(w, torch.float32), fmt=self.name)
+            return fp8_quantize(_dequantize(w, torch.float32), fmt=self.name, dtype=self.storage_dtype)
         return _dequantize(w, self.storage_dtype)
+
+    def stored_as(self, dtype: torch.dtype) -> "Precision":
+        """This fp8 precision kept in another format of FP8_FORMATS (a backend's choice: FNUZ on AMD gfx942)."""
+        if self.name not in FP8_MAX:
+            raise UserError(f"precision {self.name} has one storage format; only fp8 precisions take another")
+        return replace(self, storage_dtype=_storage(self.name, dtype))
 
     def dequantize(self, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(w, dtype)

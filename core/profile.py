@@ -39,6 +39,11 @@ class Profile(BaseModel):
     # SmolLM2 fp8 with an fp8 head, Hamlet perplexity 26.43 -> 26.81 (fp32 25.86). Off by default, as llama.cpp
     # and vLLM keep heads at higher precision.
     quantize_lm_head: bool = False
+    # The attention kernel, where a backend offers a choice (Backend.attention_kernels): auto lets it pick.
+    attention: str = "auto"
+    # Refuse to start when the device reports clocks below their maximum under load, or cannot report them; only
+    # backends that check clocks before serving read it (in check_request).
+    strict_clocks: bool = False
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""

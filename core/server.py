@@ -287,6 +287,7 @@ class Server:
             "kv_cache": {"blocks_total": blocks.num_blocks, "blocks_free": blocks.num_free,
                          "block_size": blocks.block_size},
             "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting)},
+            "device": self.engine.backend.device_telemetry(),
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
