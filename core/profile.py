@@ -39,6 +39,7 @@ class Profile(BaseModel):
     # SmolLM2 fp8 with an fp8 head, Hamlet perplexity 26.43 -> 26.81 (fp32 25.86). Off by default, as llama.cpp
     # and vLLM keep heads at higher precision.
     quantize_lm_head: bool = False
+    threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None: the idle cores (threads.py)
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""
