@@ -192,7 +192,7 @@ def run(
         t = report["timing"]
         warm_up = f", warm-up {t['warm_up_s']:.1f} s" if t["warm_up_s"] >= 0.05 else ""
         print(f"[{report['backend']} · {report['precision']} · {report['profile']['name']} · "
-              f"{report['threads']} threads] "
+              f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}] "
               f"{report['completion_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.0f} ms, "
               f"{t['decode_tok_s']:.1f} tok/s, load {t['load_s']:.1f} s{warm_up}", file=sys.stderr)
 

@@ -10,8 +10,6 @@ import functools
 import time
 from dataclasses import dataclass
 
-import psutil
-
 HELP = "CPU threads for torch (env FLASHNEXT_THREADS); default: the cores not busy with other processes."
 SAMPLE_S = 0.1  # long enough to see a busy core, short enough to hide in the model load
 
@@ -24,6 +22,8 @@ class ThreadChoice:
 
 def busy_cores_of_others(sample_s: float = SAMPLE_S) -> float:
     """Cores other processes kept busy over `sample_s` (this process's own use left out)."""
+    import psutil
+
     me = psutil.Process()
     me.cpu_percent(None)
     psutil.cpu_percent(None)
@@ -40,6 +40,7 @@ def busy_at_start_up() -> float:
 
 def choose_threads(requested: int | None, busy: float | None = None) -> ThreadChoice:
     """`requested` as given; None: the physical cores less those other processes keep busy (at least one)."""
+    import psutil
     import torch
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1

@@ -192,14 +192,18 @@ def test_explain_prints_every_probe_verdict(tiny_llama):
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france():
-    """The README's promise, as a user runs it: the console script, the embedded model, greedy."""
+def test_the_readme_first_command_answers_cleanly():
+    """The README's promise, as a user runs it: its own command line, the console script, the embedded model."""
+    import shlex
+
+    from test_readme import quick_start_commands
+
+    command = shlex.split(quick_start_commands()[0].rsplit("&& ", 1)[1])
+    assert command[:2] == ["flashnext", "run"]
     env = dict(os.environ, FLASHNEXT_BACKEND="cpu")
-    proc = subprocess.run(
-        [str(Path(sys.executable).parent / "flashnext"), "run", "--backend", "auto", "--max-tokens", "16",
-         "The capital of France is"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
+    proc = subprocess.run([str(Path(sys.executable).parent / "flashnext"), *command[1:]],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
+    answer = proc.stdout.strip()
+    assert "Paris" in answer and "\n" not in answer and len(answer) < 80, answer  # one sentence, no ramble
     assert "tok/s" in proc.stderr and "cpu" in proc.stderr
