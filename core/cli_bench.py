@@ -226,7 +226,9 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
     if json_path is not None and not json_path.parent.is_dir():
         raise UserError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
     progress.enable()
-    loaded = load_bench_model(model, shape)
+    with progress.stage("building random weights" if shape else "loading model") as advance:
+        loaded = load_bench_model(model, shape)
+        advance(loaded.name)
     rows: list[dict] = []
 
     def keep(row: dict) -> None:

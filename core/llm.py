@@ -50,9 +50,7 @@ class LLM:
         settings = resolve_profile(entry.backend, profile, profile_overrides)
         self.threads: ThreadChoice = choose_threads(settings.threads)
         apply_threads(self.threads)
-        with progress.stage("loading model") as advance:
-            self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
-            advance(self.loaded.name)
+        self.loaded = model if isinstance(model, LoadedModel) else self._load(model)
         self.tokenizer = self.loaded.tokenizer
         with progress.stage(f"preparing weights for {entry.name}") as advance:
             self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)
@@ -73,6 +71,13 @@ class LLM:
             advance(f"{seconds:.1f} s of one-time work")
         self._warm_up_s += seconds - (self.engine.runner.warm_up_s - runner_before)  # the runner counts its own
         return seconds
+
+    @staticmethod
+    def _load(model: str | None) -> LoadedModel:
+        with progress.stage("loading model") as advance:
+            loaded = load_model(model)
+            advance(loaded.name)
+        return loaded
 
     @property
     def warm_up_s(self) -> float:
