@@ -41,19 +41,22 @@ def stage(description: str, total: int | None = None):
 @contextmanager
 def _rich_task(description: str, total: int | None):
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     outer = _state["progress"] is None
     if outer:
-        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[done]}"),
                    TimeElapsedColumn()]
         _state["progress"] = Progress(*columns, console=Console(stderr=True), transient=True)
         _state["progress"].start()
     progress = _state["progress"]
-    task = progress.add_task(description, total=total)
+    task = progress.add_task(description, total=total, done=f"0/{total}" if total else "")
+    finished = [0]
 
     def advance(note: str = "") -> None:
-        progress.update(task, advance=1, description=f"{description}: {note}" if note else description)
+        finished[0] += 1
+        progress.update(task, advance=1, description=f"{description}: {note}" if note else description,
+                        done=f"{finished[0]}/{total}" if total else "")
 
     try:
         yield advance
