@@ -165,14 +165,15 @@ def run(
 
     text = _read_prompt(prompt)
     params = _sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    progress.enable()
-    llm = LLM(model=model, backend=backend, precision=precision, profile=profile, spec=spec,
-              spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, threads=threads)
+    with progress.shown():
+        llm = LLM(model=model, backend=backend, precision=precision, profile=profile, spec=spec,
+                  spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
+                  threads=threads)
+        if warm_up:
+            llm.warm_up()
     if explain:
         _explain(llm.info.entries, llm.info.backend)
         print(f"threads: {llm.threads.reason}", file=sys.stderr)
-    if warm_up:
-        llm.warm_up()
     ids = llm.encode(text, chat=chat)
     start, first, pieces = _clock(llm), None, []
     for piece, new_ids in llm.stream(ids, params):
@@ -268,7 +269,7 @@ def bench(
 
 
 # Commands kept in modules of their own; such a module imports only typer and the standard library at its top
-# (tests/test_cli_startup.py holds every command's --help to that). Adding one is one line:
+# (tests/test_cli_startup.py holds every command's --help to that). Adding one: an import above, a line here.
 app.command()(friendly_errors(serve))
 app.command()(friendly_errors(conformance))
 

@@ -225,10 +225,6 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
     sizes = parse_batch_sizes(batch_sizes)
     if json_path is not None and not json_path.parent.is_dir():
         raise UserError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
-    progress.enable()
-    with progress.stage("building random weights" if shape else "loading model") as advance:
-        loaded = load_bench_model(model, shape)
-        advance(loaded.name)
     rows: list[dict] = []
 
     def keep(row: dict) -> None:
@@ -238,8 +234,12 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
             partial.write_text(json.dumps(rows, indent=2) + "\n")
             os.replace(partial, json_path)
 
-    bench_rows(loaded, backend, precision or default_precision(backend, shape), profile, sizes, prompt_len, gen_len,
-               on_row=keep, threads=threads)
+    with progress.shown():
+        with progress.stage("building random weights" if shape else "loading model") as advance:
+            loaded = load_bench_model(model, shape)
+            advance(loaded.name)
+        bench_rows(loaded, backend, precision or default_precision(backend, shape), profile, sizes, prompt_len,
+                   gen_len, on_row=keep, threads=threads)
     table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "warm-up s",
                   "peak MiB")
     for r in rows:

@@ -48,10 +48,10 @@ def serve(
         raise UserError(f"--log-config {log_config}: no such file; give a .json, .yaml or .ini logging config")
     if host not in LOOPBACK and api_key is None:
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    progress.enable()
-    llm = LLM(model=model, backend=backend, precision=precision, profile=profile, max_num_seqs=max_num_seqs,
-              max_model_len=max_model_len, threads=threads)
-    llm.warm_up()
+    with progress.shown():
+        llm = LLM(model=model, backend=backend, precision=precision, profile=profile, max_num_seqs=max_num_seqs,
+                  max_model_len=max_model_len, threads=threads)
+        llm.warm_up()
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name} · "
           f"{llm.threads.threads} threads) on http://{host}:{port}; load {llm.info.load_s:.1f} s, "
           f"warm-up {llm.warm_up_s:.1f} s", file=sys.stderr)

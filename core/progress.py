@@ -1,5 +1,5 @@
 """What a long step is doing, on stderr: rich progress bars on a terminal, one plain line per finished stage
-otherwise (logs, CI). Off until a command turns it on, so the Python API stays quiet."""
+otherwise (logs, CI). Shown only inside a command's `shown()` block, so the Python API stays quiet."""
 
 import sys
 import time
@@ -8,8 +8,13 @@ from contextlib import contextmanager
 _state = {"on": False, "progress": None}
 
 
-def enable() -> None:
+@contextmanager
+def shown():
     _state["on"] = True
+    try:
+        yield
+    finally:
+        _state["on"] = False
 
 
 @contextmanager

@@ -181,3 +181,12 @@ def test_user_errors_name_the_thread_field():
 
     with pytest.raises(UserError, match="threads"):
         Profile().overridden(threads=0)
+
+
+def test_the_python_api_stays_quiet_after_a_command(tiny_llama, capsys):
+    from flashnext.core.llm import LLM
+
+    assert runner.invoke(app, ["run", "hi", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "1"]
+                         ).exit_code == 0
+    LLM(str(tiny_llama), backend="cpu").warm_up()
+    assert capsys.readouterr().err == ""
