@@ -20,7 +20,7 @@ import typer
 from .cli_conformance import conformance
 from .cli_serve import serve
 from .errors import FlashnextError
-from .threads import HELP as THREADS_HELP
+from .threads import HELP as THREADS_HELP, threads_text
 
 WARM_UP_HELP = "Do the one-time work (weight expansion, graph captures) before the first request; timed as warm_up_s."
 
@@ -193,7 +193,7 @@ def run(
         t = report["timing"]
         warm_up = f", warm-up {t['warm_up_s']:.1f} s" if t["warm_up_s"] >= 0.05 else ""
         print(f"[{report['backend']} · {report['precision']} · {report['profile']['name']} · "
-              f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}] "
+              f"{threads_text(report['threads'])}] "
               f"{report['completion_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.0f} ms, "
               f"{t['decode_tok_s']:.1f} tok/s, load {t['load_s']:.1f} s{warm_up}", file=sys.stderr)
 

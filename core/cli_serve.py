@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import UserError
-from .threads import HELP as threads_help
+from .threads import HELP as threads_help, threads_text
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -53,7 +53,7 @@ def serve(
                   max_model_len=max_model_len, threads=threads)
         llm.warm_up()
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name} · "
-          f"{llm.threads.threads} threads) on http://{host}:{port}; load {llm.info.load_s:.1f} s, "
+          f"{threads_text(llm.threads.threads)}) on http://{host}:{port}; load {llm.info.load_s:.1f} s, "
           f"warm-up {llm.warm_up_s:.1f} s", file=sys.stderr)
     app = create_app(llm, api_key=api_key, max_queue=max_queue)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,

@@ -45,11 +45,12 @@ def choose_threads(requested: int | None, busy: float | None = None) -> ThreadCh
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     if requested is not None:
-        return ThreadChoice(requested, f"{_threads(requested)} as set (--threads / FLASHNEXT_THREADS); {cores} cores")
+        return ThreadChoice(requested, f"{threads_text(requested)} as set (--threads / FLASHNEXT_THREADS); "
+                                       f"{cores} physical cores")
     busy = busy_at_start_up() if busy is None else busy
     threads = max(1, min(torch.get_num_threads(), round(cores - busy)))
-    return ThreadChoice(threads, f"{_threads(threads)}: {cores} physical cores, {busy:.1f} busy with other processes"
-                                 " at start-up (--threads N to override)")
+    return ThreadChoice(threads, f"{threads_text(threads)}: {cores} physical cores, {busy:.1f} busy with other "
+                                 "processes at start-up (--threads N to override)")
 
 
 def apply_threads(choice: ThreadChoice) -> None:
@@ -63,5 +64,5 @@ def apply_threads(choice: ThreadChoice) -> None:
         pass
 
 
-def _threads(n: int) -> str:
+def threads_text(n: int) -> str:
     return f"{n} thread" if n == 1 else f"{n} threads"
