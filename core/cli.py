@@ -95,7 +95,7 @@ def backends(
     from rich.table import Table
 
     from . import registry
-    from .threads import choose_threads
+    from .threads import from_setting
 
     entries = registry.discover()
     if as_json:
@@ -111,13 +111,7 @@ def backends(
             print(f"{e.name}: {json.dumps(e.probe.facts)}")
             if state["debug"] and e.error_detail:
                 print(e.error_detail, file=sys.stderr)
-        print(f"threads: {choose_threads(_env_threads()).reason}")
-
-
-def _env_threads() -> int | None:
-    from .profile import Profile, env_overrides
-
-    return Profile().overridden(**env_overrides()).threads
+        print(f"threads: {from_setting(None).reason}")
 
 
 def _read_prompt(prompt: Optional[str]) -> str:

@@ -22,6 +22,7 @@ from .errors import UserError
 from .llm import LLM
 from .loader import LoadedModel
 from .precision import int4_quantize
+from .threads import apply_setting
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -234,6 +235,7 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
             partial.write_text(json.dumps(rows, indent=2) + "\n")
             os.replace(partial, json_path)
 
+    apply_setting(threads)  # before the random weights are drawn, which take a while on a busy machine
     with progress.shown():
         with progress.stage("building random weights" if shape else "loading model") as advance:
             loaded = load_bench_model(model, shape)

@@ -20,10 +20,9 @@ def conformance(
 ):
     """Check a backend's kernels, precisions and engine invariants against the reference; exit 1 on any failure."""
     from . import registry
-    from .profile import Profile, env_overrides
-    from .threads import apply_threads, choose_threads
+    from .threads import apply_setting
 
-    apply_threads(choose_threads(Profile().overridden(**env_overrides(), threads=threads).threads))
+    apply_setting(threads)
 
     entry = registry.select(registry.discover(), backend)  # unknown or unavailable: one line, exit 2
     for path in (junit, json_path):

@@ -64,5 +64,19 @@ def apply_threads(choice: ThreadChoice) -> None:
         pass
 
 
+def from_setting(flag: int | None) -> ThreadChoice:
+    """The flag, else FLASHNEXT_THREADS, else the auto choice."""
+    from .profile import Profile, env_overrides
+
+    return choose_threads(Profile().overridden(**env_overrides(), threads=flag).threads)
+
+
+def apply_setting(flag: int | None) -> ThreadChoice:
+    """from_setting, applied now: for work done before an LLM exists (random weights, the conformance suite)."""
+    choice = from_setting(flag)
+    apply_threads(choice)
+    return choice
+
+
 def threads_text(n: int) -> str:
     return f"{n} thread" if n == 1 else f"{n} threads"
