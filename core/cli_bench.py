@@ -221,7 +221,7 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
     """`flashnext bench`: the table on stdout, and --json rewritten after every configuration, so a run cut short
     still leaves valid JSON with the rows measured so far."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     sizes = parse_batch_sizes(batch_sizes)
     if json_path is not None and not json_path.parent.is_dir():
@@ -242,8 +242,9 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
             advance(loaded.name)
         bench_rows(loaded, backend, precision or default_precision(backend, shape), profile, sizes, prompt_len,
                    gen_len, on_row=keep, threads=threads)
-    table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "warm-up s",
-                  "peak MiB")
+    # Fits 80 columns (a log, a pipe) without cutting a word: "total" is throughput_tok_s.
+    table = Table("batch", Column("precision", min_width=9, no_wrap=True), "profile", "ttft s", "decode tok/s",
+                  "total tok/s", "warm-up s", "peak MiB")
     for r in rows:
         table.add_row(str(r["batch_size"]), r["precision"], r["profile"], f"{r['ttft_s']:.4f}",
                       f"{r['decode_tok_s']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['warm_up_s']:.2f}",
