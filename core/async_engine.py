@@ -165,6 +165,7 @@ class AsyncEngine:
                 return
             stream.seq = seq
             self.live[id(seq)] = stream
+            self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
         elif kind == "abort" and stream.seq is not None and self.live.pop(id(stream.seq), None):
             self.engine.abort(stream.seq)
 
@@ -176,6 +177,7 @@ class AsyncEngine:
                 continue
             if out.new_token_ids:
                 self._observe_latency(stream, len(out.new_token_ids), now)
+                self.metrics.generation_tokens.inc(len(out.new_token_ids))
             reason = out.seq.finish_reason if out.finished else None
             if out.finished:
                 del self.live[id(out.seq)]

@@ -6,21 +6,23 @@ never helps, and every request generates exactly --gen-len tokens (EOS ignored).
 """
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, Optional
 
 import torch
-import typer
 
+from . import progress, registry
 from .config import ModelConfig
 from .engine.sequence import SamplingParams
 from .errors import UserError
 from .llm import LLM
 from .loader import LoadedModel
+from .precision import int4_quantize
+from .threads import apply_setting
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
@@ -148,36 +150,51 @@ def _flashnext_version() -> str:
 
 
 def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile: str | None,
-               batch_sizes: list[int], prompt_len: int, gen_len: int, configure=None, **overrides) -> list[dict]:
+               batch_sizes: list[int], prompt_len: int, gen_len: int, configure=None, on_row=None,
+               **overrides) -> list[dict]:
     """One engine for all batch sizes (room for the largest); a short warm-up run per size first.
 
-    `configure(llm)` may adjust the engine before anything runs (benchmark scripts comparing kernel variants)."""
+    `configure(llm)` may adjust the engine before anything runs (benchmark scripts comparing kernel variants);
+    `on_row(row)` sees each configuration's row as soon as it is measured. A row's warm_up_s is the one-time work
+    (weight expansion, compiles, graph captures) done before its timed run, from the engine's start."""
     largest = max(batch_sizes)
     settings = dict(max_model_len=max(16, prompt_len + gen_len + 16), max_num_seqs=max(largest, 1))
     llm = LLM(model=loaded, backend=backend, precision=precision, profile=profile, **(settings | overrides))
     if configure:
         configure(llm)
-    device = llm.engine.model.device
+    llm.warm_up()
     rows = []
-    for b in batch_sizes:
-        time_generation(llm, b, prompt_len, min(gen_len, 24), seed=1000 + b)  # compile, capture, fill caches
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
-        t = time_generation(llm, b, prompt_len, gen_len, seed=b)
-        runner = llm.engine.runner
-        rows.append({
-            "machine": machine_name(device), "backend": llm.info.backend, "shape": loaded.name,
-            "precision": llm.engine.precision.name, "profile": llm.profile.name,
-            "cuda_graphs": llm.profile.cuda_graphs, "batch_size": b, "prompt_len": prompt_len, "gen_len": gen_len,
-            "ttft_s": round(t.ttft_s, 5), "decode_tok_s": round(t.decode_tok_s, 1),
-            "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
-            "peak_memory_bytes": _peak_memory(device),
-            "graph_captures": getattr(runner, "graph_captures", 0), "graph_replays": getattr(runner, "graph_replays", 0),
-            "graph_memory_bytes": getattr(runner, "graph_memory_bytes", 0),
-            "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        })
+    with progress.stage("bench", total=len(batch_sizes)) as advance:
+        for b in batch_sizes:
+            rows.append(_bench_row(llm, loaded, b, prompt_len, gen_len))
+            if on_row:
+                on_row(rows[-1])
+            r = rows[-1]
+            advance(f"batch {b}: ttft {r['ttft_s']:.3f} s, decode {r['decode_tok_s']:.1f} tok/s, "
+                    f"throughput {r['throughput_tok_s']:.1f} tok/s")
     return rows
+
+
+def _bench_row(llm: LLM, loaded: LoadedModel, b: int, prompt_len: int, gen_len: int) -> dict:
+    device = llm.engine.model.device
+    time_generation(llm, b, prompt_len, min(gen_len, 24), seed=1000 + b)  # compile, capture, fill caches
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    t = time_generation(llm, b, prompt_len, gen_len, seed=b)
+    runner = llm.engine.runner
+    return {
+        "machine": machine_name(device), "backend": llm.info.backend, "shape": loaded.name,
+        "precision": llm.engine.precision.name, "profile": llm.profile.name,
+        "cuda_graphs": llm.profile.cuda_graphs, "batch_size": b, "prompt_len": prompt_len, "gen_len": gen_len,
+        "ttft_s": round(t.ttft_s, 5), "decode_tok_s": round(t.decode_tok_s, 1),
+        "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
+        "warm_up_s": round(llm.warm_up_s, 4), "threads": llm.threads.threads,
+        "peak_memory_bytes": _peak_memory(device),
+        "graph_captures": getattr(runner, "graph_captures", 0), "graph_replays": getattr(runner, "graph_replays", 0),
+        "graph_memory_bytes": getattr(runner, "graph_memory_bytes", 0),
+        "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -190,28 +207,46 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def bench(
-    backend: Annotated[str, typer.Option(help="Backend name or auto.", envvar="FLASHNEXT_BACKEND")] = "auto",
-    model: Annotated[Optional[str], typer.Option(help="Model path or HF id (default: the embedded model).")] = None,
-    shape: Annotated[Optional[str], typer.Option(help="Random weights of this shape: qwen3-0.6b or smollm2-135m.")] = None,
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes.")] = "1,8,64",
-    prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Prompt tokens per request.")] = 256,
-    gen_len: Annotated[int, typer.Option("--gen-len", min=1, help="Generated tokens per request.")] = 128,
-    precision: Annotated[Optional[str], typer.Option(help="Weight precision (default: the backend's).")] = None,
-    profile: Annotated[Optional[str], typer.Option(help="Profile name (e.g. full, basic).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results (a JSON list) here.")] = None,
-):
-    """Measure TTFT, decode tok/s and throughput for each batch size."""
+def default_precision(backend: str, shape: str | None) -> str | None:
+    """The precision a user gets without --precision: for random weights (--shape), the one the backend picks for
+    the embedded default model, whose projections are stored in 4 bits (Q4_1); a checkpoint picks its own (None)."""
+    if shape is None:
+        return None
+    stored_like_default_model = {"q_proj": int4_quantize(torch.zeros(1, 32), group_size=32)}
+    return registry.select(registry.discover(), backend).backend.preferred_precision(stored_like_default_model)
+
+
+def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: str, prompt_len: int, gen_len: int,
+              precision: str | None, profile: str | None, json_path: Path | None, threads: int | None) -> None:
+    """`flashnext bench`: the table on stdout, and --json rewritten after every configuration, so a run cut short
+    still leaves valid JSON with the rows measured so far."""
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
 
     sizes = parse_batch_sizes(batch_sizes)
-    loaded = load_bench_model(model, shape)
-    rows = bench_rows(loaded, backend, precision, profile, sizes, prompt_len, gen_len)
-    table = Table("batch", "precision", "profile", "ttft s", "decode tok/s", "throughput tok/s", "peak MiB")
+    if json_path is not None and not json_path.parent.is_dir():
+        raise UserError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
+    rows: list[dict] = []
+
+    def keep(row: dict) -> None:
+        rows.append(row)
+        if json_path is not None:
+            partial = json_path.with_name(json_path.name + ".partial")
+            partial.write_text(json.dumps(rows, indent=2) + "\n")
+            os.replace(partial, json_path)
+
+    apply_setting(threads)  # before the random weights are drawn, which take a while on a busy machine
+    with progress.shown():
+        with progress.stage("building random weights" if shape else "loading model") as advance:
+            loaded = load_bench_model(model, shape)
+            advance(loaded.name)
+        bench_rows(loaded, backend, precision or default_precision(backend, shape), profile, sizes, prompt_len,
+                   gen_len, on_row=keep, threads=threads)
+    # Fits 80 columns (a log, a pipe) without cutting a word: "total" is throughput_tok_s.
+    table = Table("batch", Column("precision", min_width=9, no_wrap=True), "profile", "ttft s", "decode tok/s",
+                  "total tok/s", "warm-up s", "peak MiB")
     for r in rows:
         table.add_row(str(r["batch_size"]), r["precision"], r["profile"], f"{r['ttft_s']:.4f}",
-                      f"{r['decode_tok_s']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['peak_memory_bytes'] / 2**20:.0f}")
+                      f"{r['decode_tok_s']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['warm_up_s']:.2f}",
+                      f"{r['peak_memory_bytes'] / 2**20:.0f}")
     Console().print(table)
-    if json_path:
-        json_path.write_text(json.dumps(rows, indent=2) + "\n")

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import FlashnextError, UserError
+from .threads import HELP as threads_help
 
 
 def conformance(
@@ -15,9 +16,13 @@ def conformance(
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here.")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
     select: Annotated[Optional[str], typer.Option("-k", help="Only cases matching this pytest -k expression.")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help=threads_help)] = None,
 ):
     """Check a backend's kernels, precisions and engine invariants against the reference; exit 1 on any failure."""
     from . import registry
+    from .threads import apply_setting
+
+    apply_setting(threads)
 
     entry = registry.select(registry.discover(), backend)  # unknown or unavailable: one line, exit 2
     for path in (junit, json_path):

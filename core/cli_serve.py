@@ -1,13 +1,16 @@
-"""`flashnext serve`: load the model, then serve the OpenAI-compatible API with uvicorn (docs/serving.md)."""
+"""`flashnext serve`: load the model, then serve the OpenAI-compatible API with uvicorn (docs/serving.md).
 
-import contextlib
+Every log line, uvicorn's access log included, goes to stderr: stdout stays free for what a command prints."""
+
+import copy
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from .errors import UserError
+from .threads import HELP as threads_help, threads_text
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -24,26 +27,45 @@ def serve(
     max_queue: Annotated[int, typer.Option(min=0, help="Requests waiting beyond the running ones; then 429.")] = 256,
     api_key: Annotated[Optional[str], typer.Option(
         envvar="FLASHNEXT_API_KEY", help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help=threads_help)] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info, debug.")] = "info",
     strict_clocks: Annotated[bool, typer.Option(
         "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load.")] = False,
+    access_log: Annotated[bool, typer.Option(help="Log every request (on stderr).")] = True,
+    log_config: Annotated[Optional[Path], typer.Option(
+        help="A logging config file for uvicorn (.json, .yaml or .ini) instead of the stderr default.")] = None,
 ):
-    """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+    The one-time work (weight expansion, graph captures) is done before the server listens."""
     import uvicorn
 
+    from . import progress
     from .llm import LLM
     from .server import create_app
 
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key / FLASHNEXT_API_KEY is empty: give a key or leave it unset")
+    if log_config is not None and not log_config.is_file():
+        raise UserError(f"--log-config {log_config}: no such file; give a .json, .yaml or .ini logging config")
     if host not in LOOPBACK and api_key is None:
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
-    spinner = Console(stderr=True).status("loading model…", spinner="dots")
-    with spinner if sys.stderr.isatty() else contextlib.nullcontext():
+    with progress.shown():
         llm = LLM(model=model, backend=backend, precision=precision, profile=profile, max_num_seqs=max_num_seqs,
-                  max_model_len=max_model_len, strict_clocks=strict_clocks or None)
-    print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name})"
-          f" on http://{host}:{port}", file=sys.stderr)
+                  max_model_len=max_model_len, threads=threads, strict_clocks=strict_clocks or None)
+        llm.warm_up()
+    print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name} · "
+          f"{threads_text(llm.threads.threads)}) on http://{host}:{port}; load {llm.info.load_s:.1f} s, "
+          f"warm-up {llm.warm_up_s:.1f} s", file=sys.stderr)
     app = create_app(llm, api_key=api_key, max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
+                log_config=str(log_config) if log_config else stderr_log_config())
 
+
+def stderr_log_config() -> dict:
+    """uvicorn's own logging config with the access log moved from stdout to stderr."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config

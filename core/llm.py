@@ -4,12 +4,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import registry
+from . import progress, registry
 from .engine.engine import LLMEngine
 from .engine.sequence import SamplingParams, Sequence
 from .errors import UserError
 from .loader import LoadedModel, load_model
 from .profile import Profile, env_overrides
+from .threads import ThreadChoice, apply_threads, choose_threads
+
+
+WARM_UP_PROMPT = 4  # tokens: a prefill and then a decode step, each shape the first real request runs
 
 
 @dataclass
@@ -43,11 +47,42 @@ class LLM:
         start = time.perf_counter()
         entries = registry.discover()
         entry = registry.select(entries, backend)
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
-        self.tokenizer = self.loaded.tokenizer
         settings = resolve_profile(entry.backend, profile, profile_overrides)
-        self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)
+        self.threads: ThreadChoice = choose_threads(settings.threads)
+        apply_threads(self.threads)
+        self.loaded = model if isinstance(model, LoadedModel) else self._load(model)
+        self.tokenizer = self.loaded.tokenizer
+        with progress.stage(f"preparing weights for {entry.name}") as advance:
+            self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)
+            advance(self.engine.precision.name)
         self.info = LoadInfo(entry.name, self.loaded.name, time.perf_counter() - start, entries)
+        self._warm_up_s = 0.0
+
+    def warm_up(self) -> float:
+        """The one-time work of the first steps (weight expansion, kernel compiles, graph captures), done now on a
+        throwaway request of a few tokens rather than inside the first real one; returns its seconds."""
+        start, runner_before = time.perf_counter(), self.engine.runner.warm_up_s
+        with progress.stage("warming up") as advance:
+            prompt = [i % self.engine.config.vocab_size for i in range(1, WARM_UP_PROMPT + 1)]
+            seq = self.engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), spec_enabled=False)
+            while seq.finish_reason is None:
+                self.engine.step()
+            seconds = time.perf_counter() - start
+            advance(f"{seconds:.1f} s of one-time work")
+        self._warm_up_s += seconds - (self.engine.runner.warm_up_s - runner_before)  # the runner counts its own
+        return seconds
+
+    @staticmethod
+    def _load(model: str | None) -> LoadedModel:
+        with progress.stage("loading model") as advance:
+            loaded = load_model(model)
+            advance(loaded.name)
+        return loaded
+
+    @property
+    def warm_up_s(self) -> float:
+        """Seconds of one-time work so far: the warm-up's, and what the runner counted inside steps."""
+        return self._warm_up_s + self.engine.runner.warm_up_s
 
     @property
     def profile(self) -> Profile:

@@ -78,6 +78,10 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.requests = Counter("flashnext_requests", "Requests by outcome: stop, length, abort, error, rejected",
                                 ["status"], registry=self.registry)
+        self.prompt_tokens = Counter("flashnext_prompt_tokens", "Prompt tokens of the requests admitted",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("flashnext_generation_tokens", "Tokens generated for requests",
+                                         registry=self.registry)
         self.registry.register(EngineCollector(engine))
 
     def render(self) -> bytes:

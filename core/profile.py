@@ -44,6 +44,7 @@ class Profile(BaseModel):
     # Refuse to start when the device reports clocks below their maximum under load, or cannot report them; only
     # backends that check clocks before serving read it (in check_request).
     strict_clocks: bool = False
+    threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None: the idle cores (threads.py)
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""

@@ -278,6 +278,7 @@ class Server:
             "model": self.model_name,
             "precision": self.engine.precision.name,
             "profile": profile.name,
+            "threads": self.llm.threads.threads,
             "optimizations": {
                 "cuda_graphs": profile.cuda_graphs,
                 "chunked_prefill": profile.chunked_prefill,

@@ -317,3 +317,22 @@ def test_queue_full_is_429_and_hangups_free_blocks(llm):
             c.post("/v1/completions", json={"prompt": "wait", **LONG}, timeout=1.0)
         _wait(lambda: _all_free(c), "blocks freed after a timed-out client", timeout=5)
         assert metric(c, "flashnext_requests_total", status="abort") == 3
+
+
+def test_metrics_count_prompt_and_generation_tokens(client):
+    names = ("flashnext_prompt_tokens_total", "flashnext_generation_tokens_total")
+    before = [metric(client, n) for n in names]
+    r = client.post("/v1/completions", json={"prompt": "count these tokens", "max_tokens": 5, "ignore_eos": True,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    after = [metric(client, n) for n in names]
+    assert [a - b for a, b in zip(after, before)] == [usage["prompt_tokens"], usage["completion_tokens"]] == [
+        usage["prompt_tokens"], 5]
+
+
+def test_health_reports_the_thread_count(client, llm):
+    import torch
+
+    threads = client.get("/health").json()["threads"]
+    assert threads == llm.threads.threads == torch.get_num_threads()
