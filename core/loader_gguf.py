@@ -1,0 +1,258 @@
+"""Load a GGUF file: llama.cpp's tensor names mapped to HF's, q/k rows un-permuted, Q4_0/Q4_1 kept as int4."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from flashnext.core import model_cache
+from flashnext.core.config import ModelConfig, RopeScaling
+from flashnext.core.errors import UserError
+from flashnext.core.loaded_model import LoadedModel, check_weights
+from flashnext.core.precision import Weight, int4_from_gguf
+from flashnext.core.tokenizer import Tokenizer
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return name
+
+
+def _gguf_value(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None or not f.types:
+        return default
+    try:
+        return f.contents()
+    except Exception:
+        return default
+
+
+def llama_unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's `permute` (convert_hf_to_gguf.py, LlamaModel) of q_proj/k_proj.
+
+    llama.cpp stores row `h*d + 2*i + j` = HF row `h*d + j*d/2 + i` (rotary halves interleaved into pairs);
+    `hf = gguf[index]` with this index.
+    """
+    d = rows // n_heads
+    return torch.arange(rows).reshape(n_heads, d // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def _select_rows(w: Weight, index: torch.Tensor) -> Weight:
+    if isinstance(w, torch.Tensor):
+        return w.index_select(0, index).contiguous()
+    return w.select_rows(index)
+
+
+def load_gguf(path: str | Path) -> LoadedModel:
+    """Load a GGUF file, through the converted-copy cache (core/model_cache.py) when one exists."""
+    path = Path(path)
+    try:
+        entry = model_cache.entry_for(path)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror}); check the path") from None
+    cached = model_cache.load(entry, str(path)) if entry else None
+    if cached:
+        config, weights, tokenizer = cached
+        return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.stem)
+    loaded = _parse_gguf(path)
+    if entry:
+        try:
+            model_cache.save(entry, loaded.config, loaded.weights, loaded.tokenizer)
+        except OSError:
+            pass  # a read-only home only costs speed
+    return loaded
+
+
+def _parse_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror}); check the path") from None
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:
+        msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a readable GGUF file ({msg}); the file is damaged or truncated, re-download it") from None
+    src = str(path)
+
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UserError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise UserError(f"{path}: tensor {t.name} extends past the end of the file; the file is truncated, re-download it")
+
+    tokenizer = Tokenizer.from_gguf(reader, source=src)
+    tensor_names = {t.name for t in reader.tensors}
+
+    def req(key: str):
+        v = _gguf_value(reader, f"{arch}.{key}")
+        if v is None:
+            raise UserError(f"{path}: GGUF metadata {arch}.{key} is missing; the file is incomplete, use another GGUF")
+        return v
+
+    hidden = int(req("embedding_length"))
+    heads = int(req("attention.head_count"))
+    kv_heads = _gguf_value(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer list in some files
+        kv_heads = kv_heads[0]
+    head_dim = _gguf_value(reader, f"{arch}.attention.key_length") or (hidden // heads if heads else 0)
+    vocab = _gguf_value(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    data: dict[str, Any] = {
+        "architecture": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_layers": int(req("block_count")),
+        "num_heads": heads,
+        "num_kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(_gguf_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_gguf_value(reader, f"{arch}.rope.freq_base", 10_000.0)),
+        "max_position_embeddings": int(_gguf_value(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "qkv_bias": "blk.0.attn_q.bias" in tensor_names,
+        "qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+        "num_mtp_modules": int(_gguf_value(reader, f"{arch}.nextn_predict_layers", 0) or 0),
+    }
+    data["rope_scaling"] = _gguf_rope_scaling(reader, arch, path)
+    try:
+        config = ModelConfig(**data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(x) for x in err.get("loc", ()))
+        raise UserError(
+            f"{path}: model value {field} = {err.get('input')!r} is invalid ({err.get('msg')}); use another GGUF"
+        ) from None
+
+    weights: dict[str, Weight] = {}
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        try:
+            weights[name] = _gguf_tensor(t)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(f"{path}: cannot decode tensor {t.name} ({type(exc).__name__}: {exc}); re-download the file") from None
+
+    if "rope_freqs.weight" in weights and config.rope_scaling is None:
+        config.rope_scaling = _fit_llama3_rope(weights["rope_freqs.weight"], config, path)
+
+    if arch == "llama":
+        q_idx = k_idx = None
+        for i in range(config.num_layers):
+            for proj, n in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                for kind in ("weight", "bias"):
+                    key = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                    w = weights.get(key)
+                    if w is None:
+                        continue
+                    rows = w.shape[0]
+                    if rows % (2 * n):
+                        continue  # the shape check below reports it
+                    if proj == "q_proj":
+                        q_idx = q_idx if q_idx is not None and q_idx.numel() == rows else llama_unpermute_index(rows, n)
+                        idx = q_idx
+                    else:
+                        k_idx = k_idx if k_idx is not None and k_idx.numel() == rows else llama_unpermute_index(rows, n)
+                        idx = k_idx
+                    weights[key] = _select_rows(w, idx)
+
+    check_weights(config, weights, src)
+    stem = path.stem
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=src, name=stem)
+
+
+def _gguf_tensor(t) -> Weight:
+    from gguf import quants
+
+    shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))  # GGUF lists ne0 (columns) first
+    type_name = t.tensor_type.name
+    if type_name in _FLOAT_TYPES:
+        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy()
+        return torch.from_numpy(raw).view(_FLOAT_TYPES[type_name]).reshape(shape)
+    if type_name in ("Q4_0", "Q4_1") and len(shape) == 2:
+        return int4_from_gguf(t.data, type_name, shape)
+    values = quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def _gguf_rope_scaling(reader, arch: str, path: Path) -> RopeScaling | None:
+    kind = _gguf_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        factor = float(_gguf_value(reader, f"{arch}.rope.scaling.factor", 1.0))
+        return RopeScaling(type="linear", factor=factor)
+    raise UserError(f"{path}: rope scaling {kind!r} is not supported; supported: none, linear, llama3 (rope_freqs)")
+
+
+def _llama3_factors(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    wavelen = 2 * math.pi / inv
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    # HF: inv/factor for wavelen > low_wl, inv for wavelen < high_wl, else (1-smooth)*inv/factor + smooth*inv.
+    scaled = torch.where(wavelen > low_wl, inv / s.factor, inv)
+    mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+    scaled = torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    return inv / scaled
+
+
+def _fit_llama3_rope(freqs: Weight, config: ModelConfig, path: Path) -> RopeScaling:
+    """llama.cpp stores Llama 3.x rope scaling as per-frequency divisors; recover HF's llama3 parameters."""
+    f = freqs.float().reshape(-1).double() if isinstance(freqs, torch.Tensor) else None
+    if f is None or f.numel() != config.head_dim // 2:
+        raise UserError(f"{path}: rope_freqs.weight has an unexpected shape; this GGUF's rope scaling is not supported")
+    factor = float(f.max())
+    for orig in (8192, 4096, 16384, 32768, 131072):
+        for low, high in ((1.0, 4.0), (1.0, 32.0), (1.0, 2.0)):
+            s = RopeScaling(type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+                            original_max_position_embeddings=orig)
+            if torch.allclose(_llama3_factors(config.head_dim, config.rope_theta, s), f, rtol=1e-3, atol=1e-3):
+                return s
+    raise UserError(f"{path}: rope_freqs.weight does not match llama3 rope scaling; this GGUF is not supported")
