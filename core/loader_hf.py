@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, check_weights
+from flashnext.core.loaded_model import LoadedModel, check_model
 from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_weight
 from flashnext.core.tokenizer import Tokenizer
 
@@ -62,8 +62,9 @@ def load_hf_folder(path: Path) -> LoadedModel:
         tokenizer.eos_token_ids = list(dict.fromkeys(list(config.eos_token_ids) + tokenizer.eos_token_ids))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    check_weights(config, weights, str(path))
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.name)
+    model = LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.name)
+    check_model(model)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -164,6 +164,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(int(token_id))
 
+    def largest_id(self) -> int:
+        return max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
 
