@@ -52,6 +52,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def shown(value) -> str:
+    """A value from a file as an error line shows it: repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_model(model: LoadedModel) -> None:
     """Everything the kernels assume of a model, checked at load so a bad file fails with its name, not later."""
     check_config(model.config, model.source)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, expected_shapes
+from flashnext.core.loaded_model import LoadedModel, expected_shapes, shown
 from flashnext.core.loader_gguf import GGUF_ARCHITECTURES, gguf_to_hf_name, llama_unpermute_index, load_gguf
 from flashnext.core.loader_hf import HF_ARCHITECTURES, load_hf_folder, looks_like_hf_id, resolve_hf_id
 
@@ -51,9 +51,15 @@ def load_model(spec: str | os.PathLike | None) -> LoadedModel:
         return load_gguf(path)
     text = str(spec)
     path = Path(text).expanduser()
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise UserError(f"{shown(text)}: not a usable path ({exc.strerror}); pass a model folder or file") from None
+    if exists:
         if path.is_dir():
             return _load_folder(path)
+        if not path.is_file():
+            raise UserError(f"{path}: not a regular file (a pipe, device or socket); pass a model folder or file")
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return load_gguf(path)
         if path.suffix.lower() == ".safetensors" or path.name == "config.json":
@@ -79,7 +85,7 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def _load_folder(path: Path) -> LoadedModel:
     if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
         if len(ggufs) == 1:
             return load_gguf(ggufs[0])
         raise UserError(f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file")

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, check_model
+from flashnext.core.loaded_model import LoadedModel, check_model, shown
 from flashnext.core.precision import Weight, int4_from_gguf
 from flashnext.core.tokenizer import Tokenizer
 
@@ -73,7 +73,7 @@ def _gguf_count(reader, key: str, path: Path, default=None) -> int | None:
         value = value[0]
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    raise UserError(f"{path}: GGUF metadata {key} = {_short(value)} is not a whole number (per-layer values "
+    raise UserError(f"{path}: GGUF metadata {key} = {shown(value)} is not a whole number (per-layer values "
                     "must all be equal); the file is damaged or not supported, use another GGUF")
 
 
@@ -81,13 +81,8 @@ def _gguf_float(reader, key: str, path: Path, default: float) -> float:
     value = _gguf_value(reader, key, default)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
-    raise UserError(f"{path}: GGUF metadata {key} = {_short(value)} is not a finite number > 0; the file is "
+    raise UserError(f"{path}: GGUF metadata {key} = {shown(value)} is not a finite number > 0; the file is "
                     "damaged, use another GGUF")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def llama_unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
@@ -110,6 +105,8 @@ def load_gguf(path: str | Path) -> LoadedModel:
     """Load a GGUF file, through the converted-copy cache (core/model_cache.py) when one exists."""
     path = Path(path)
     try:
+        if not path.is_file():
+            raise UserError(f"{path}: not a regular file; pass a .gguf model file")
         entry = model_cache.entry_for(path)
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror}); check the path") from None

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, check_model
+from flashnext.core.loaded_model import LoadedModel, check_model, shown
 from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_weight
 from flashnext.core.tokenizer import Tokenizer
 
@@ -93,10 +93,14 @@ _OUR_TO_HF = {v: k for k, v in _HF_FIELDS.items()}
 
 
 def _read_json_file(path: Path) -> Any:
+    if not path.is_file():
+        raise UserError(f"{path}: not a regular file; pass the model's own files")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: invalid JSON ({exc}); fix or re-download the file") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply to be a model file; fix or re-download it") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
 
@@ -108,7 +112,9 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
     archs = raw.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if not isinstance(archs, list):
+        raise UserError(f"{path}: field 'architectures' = {shown(archs)} must be a list of names; fix config.json")
+    arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if arch is None and not archs and raw.get("model_type") in HF_ARCHITECTURES.values():
         arch = raw["model_type"]
     if arch is None:
@@ -135,7 +141,8 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
     eos = data.get("eos_token_ids")
     if isinstance(eos, int):
         data["eos_token_ids"] = [eos]
-    if raw.get("use_sliding_window") and isinstance(raw.get("sliding_window"), int):
+    if (raw.get("use_sliding_window") and type(raw.get("sliding_window")) is int
+            and type(data.get("max_position_embeddings", 0)) is int):
         # Windowed layers attend to the last sliding_window keys only; up to that many tokens that is full attention.
         data["max_position_embeddings"] = min(data.get("max_position_embeddings", raw["sliding_window"]),
                                               raw["sliding_window"])
@@ -151,8 +158,8 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
         field = ".".join([field] + loc[1:])
         if err.get("type") == "missing":
             raise UserError(f"{path}: field '{field}' is missing; add it to config.json") from None
-        got = err.get("input")
-        raise UserError(f"{path}: field '{field}' = {got!r} is invalid ({err.get('msg')}); fix config.json") from None
+        got = shown(err.get("input"))
+        raise UserError(f"{path}: field '{field}' = {got} is invalid ({err.get('msg')}); fix config.json") from None
 
 
 def _refuse_what_the_model_would_ignore(raw: dict, arch: str, path: Path) -> None:
@@ -186,7 +193,8 @@ def _rope_scaling_from_hf(scaling: Any, path: Path) -> RopeScaling | None:
         err = exc.errors()[0]
         field = ".".join(str(x) for x in err.get("loc", ()))
         raise UserError(
-            f"{path}: field 'rope_scaling.{field}' = {err.get('input')!r} is invalid ({err.get('msg')}); fix config.json"
+            f"{path}: field 'rope_scaling.{field}' = {shown(err.get('input'))} is invalid ({err.get('msg')}); "
+            "fix config.json"
         ) from None
 
 
@@ -237,8 +245,11 @@ def _safetensors_files(folder: Path) -> list[Path]:
         if not isinstance(wmap, dict) or not wmap:
             raise UserError(f"{index}: no 'weight_map'; re-download the model's index file")
         files = []
-        for shard in dict.fromkeys(wmap.values()):
-            p = folder / str(shard)
+        for shard in dict.fromkeys(map(str, wmap.values())):
+            p = folder / shard
+            if Path(shard).name != shard:
+                raise UserError(f"{index}: shard {shown(shard)} is not a file name in the model folder; re-download "
+                                "the model's index file")
             if not p.is_file():
                 raise UserError(f"{p}: shard listed in {index.name} is missing; re-download the model")
             files.append(p)
@@ -246,7 +257,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
-    others = sorted(folder.glob("*.safetensors"))
+    others = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if others:
         return others
     raise UserError(f"{folder}: no model.safetensors (or index); the folder needs the model's weights")
@@ -332,7 +343,7 @@ def _block_size(block: Any, field: str, config_path: Path) -> tuple[int, int]:
         block = block.split("x")
     try:
         rows, cols = (int(b) for b in block)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         rows = cols = 0
     if rows <= 0 or cols <= 0:
         raise UserError(f"{config_path}: quantization_config {field} is {block!r}; set it to the checkpoint's "

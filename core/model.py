@@ -153,14 +153,25 @@ def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Pre
     return total
 
 
+ROPE_MAX_POSITIONS = 1 << 21  # the longest published contexts (about 1M tokens) with room to spare
+_ROPE_CHUNK = 1 << 16
+
+
 def rope_cache(config: ModelConfig, device) -> torch.Tensor:
-    """[max_pos, head_dim] table: cos in the first half, sin in the second."""
+    """[max_pos, head_dim] table: cos in the first half, sin in the second. Angles are computed in float64 a chunk
+    of positions at a time, so building the table takes little more memory than the table."""
+    positions = config.max_position_embeddings
+    if positions > ROPE_MAX_POSITIONS:
+        raise UserError(f"the model's context length {positions} is over {ROPE_MAX_POSITIONS} positions; pass "
+                        f"--max-model-len (at most {ROPE_MAX_POSITIONS}) to run it with a shorter context")
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
+    table = torch.empty(positions, dim, dtype=torch.float32)
+    for start in range(0, positions, _ROPE_CHUNK):
+        angles = torch.outer(torch.arange(start, min(start + _ROPE_CHUNK, positions), dtype=torch.float64), inv_freq)
+        table[start:start + len(angles)] = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return table.to(device)
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
