@@ -45,6 +45,7 @@ _GGUF_TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -194,6 +195,9 @@ def _parse_gguf(path: Path) -> LoadedModel:
     weights: dict[str, Weight] = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
+        if t.tensor_type.name in _INTEGER_TYPES:
+            raise UserError(f"{path}: tensor {t.name} is {t.tensor_type.name}, not a float or quantized weight type; "
+                            "use a GGUF as llama.cpp converts it")
         try:
             weights[name] = _gguf_tensor(t)
         except UserError:
