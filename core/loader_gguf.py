@@ -144,6 +144,8 @@ def _parse_gguf(path: Path) -> LoadedModel:
     src = str(path)
 
     arch = _gguf_value(reader, "general.architecture")
+    if arch is None and "general.architecture" in reader.fields:
+        raise UserError(f"{path}: GGUF metadata general.architecture is not UTF-8 text; the file is damaged")
     if arch not in GGUF_ARCHITECTURES:
         raise UserError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
 

@@ -344,6 +344,8 @@ def _string_array(fields, key: str, source: str) -> list[str]:
     f = fields.get(key)
     if f is None:
         raise UserError(f"{source}: GGUF metadata {key} is missing; the file has no usable tokenizer")
+    if [t.name for t in f.types] != ["ARRAY", "STRING"]:
+        raise UserError(f"{source}: GGUF metadata {key} is not an array of strings; the file is damaged")
     try:
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
     except Exception:

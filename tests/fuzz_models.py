@@ -301,7 +301,7 @@ def hf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "llama
         ("tokenizer.json truncated", lambda o: _truncate(o / "tokenizer.json", 0.5)),
         ("tokenizer bigger than vocab", lambda o: _edit_config(o, vocab_size=100)),
         ("safetensors int32 weight", lambda o: _safetensors_with(o, _set_dtype("model.norm.weight", "I32"))),
-        ("safetensors bool weight", lambda o: _safetensors_with(o, _set_dtype_bool("model.norm.weight"))),
+        ("safetensors norm read as bool bytes", lambda o: _safetensors_with(o, _set_dtype_bool("model.norm.weight"))),
         ("safetensors offsets past end", lambda o: _safetensors_with(o, _offsets("model.norm.weight", 10**9))),
         ("safetensors header truncated", lambda o: _truncate(o / "model.safetensors", 0.001)),
         ("safetensors huge header length", lambda o: _poke(o / "model.safetensors", 0, struct.pack("<Q", 2**62))),
