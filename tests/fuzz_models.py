@@ -387,7 +387,7 @@ def _mapped_bytes() -> int:
         return int(fh.read().split()[0]) * resource.getpagesize()
 
 
-def run_case(path: Path, generate: Callable | None = None) -> tuple[str, str]:
+def run_case(path: Path, generate: Callable | None = None, seconds: int = CASE_SECONDS) -> tuple[str, str]:
     """("refused", the message), ("ok", "") or (a failure, what happened): the load (and the generation, given
     one) runs under an address-space cap and a timer."""
     from flashnext.core.errors import UserError
@@ -398,7 +398,7 @@ def run_case(path: Path, generate: Callable | None = None) -> tuple[str, str]:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(CASE_SECONDS)
+    signal.alarm(seconds)
     resource.setrlimit(resource.RLIMIT_AS, (_mapped_bytes() + MEMORY_HEADROOM, hard))
     try:
         model = load_model(str(path))
@@ -409,7 +409,7 @@ def run_case(path: Path, generate: Callable | None = None) -> tuple[str, str]:
         one_line = str(exc) and "\n" not in str(exc)
         return ("refused" if one_line else "multi-line error"), str(exc)[:300]
     except CaseTimeout:
-        return "hang", f"no answer in {CASE_SECONDS} s"
+        return "hang", f"no answer in {seconds} s"
     except MemoryError:
         return "memory past the cap", ""
     except Exception as exc:

