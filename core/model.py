@@ -153,18 +153,17 @@ def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Pre
     return total
 
 
-ROPE_MAX_POSITIONS = 1 << 21  # the longest published contexts (about 1M tokens) with room to spare
+ROPE_MAX_VALUES = 1 << 28  # 1 GiB of float32: a 1M-token context at head_dim 256
 _ROPE_CHUNK = 1 << 16
 
 
 def rope_cache(config: ModelConfig, device) -> torch.Tensor:
     """[max_pos, head_dim] table: cos in the first half, sin in the second. Angles are computed in float64 a chunk
     of positions at a time, so building the table takes little more memory than the table."""
-    positions = config.max_position_embeddings
-    if positions > ROPE_MAX_POSITIONS:
-        raise UserError(f"the model's context length {positions} is over {ROPE_MAX_POSITIONS} positions; pass "
-                        f"--max-model-len (at most {ROPE_MAX_POSITIONS}) to run it with a shorter context")
-    dim = config.head_dim
+    positions, dim = config.max_position_embeddings, config.head_dim
+    if positions * dim > ROPE_MAX_VALUES:
+        raise UserError(f"the model's context length {positions} needs a rope table of {positions * dim * 4 / 2**30:.1f} "
+                        f"GiB; pass --max-model-len (at most {ROPE_MAX_VALUES // dim}) to run it with a shorter context")
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
     table = torch.empty(positions, dim, dtype=torch.float32)

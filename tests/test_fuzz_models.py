@@ -68,13 +68,13 @@ def test_gguf_array_longer_than_the_file_is_refused_at_once(tmp_path):
 
 def test_rope_table_follows_max_model_len_and_is_bounded(tmp_path):
     from flashnext.core.llm import LLM
-    from flashnext.core.model import ROPE_MAX_POSITIONS
+    from flashnext.core.model import ROPE_MAX_VALUES
 
     folder = write_tiny_hf_model(tmp_path / "m", max_position_embeddings=10**7)
     llm = LLM(model=str(folder), backend="cpu", max_model_len=64, max_num_seqs=1)
     assert llm.engine.model.cos_sin.shape == (64, 16)
     assert llm.engine.max_model_len == 64
-    with pytest.raises(UserError, match=f"over {ROPE_MAX_POSITIONS} positions; pass --max-model-len"):
+    with pytest.raises(UserError, match=f"pass --max-model-len \\(at most {ROPE_MAX_VALUES // 16}\\)"):
         LLM(model=str(folder), backend="cpu", max_num_seqs=1)
 
 
@@ -161,13 +161,14 @@ def test_bit_flips_in_the_real_smollm2_header_are_refused_or_run(tmp_path):
     header_end = gguf.GGUFReader(str(path)).data_offset
     rng = random.Random(7)
     outcomes = []
-    for _ in range(5):
+    for _ in range(4):
         at = rng.randrange(header_end // 2, header_end)
         with open(path, "r+b") as fh:
             fh.seek(at)
             byte = fh.read(1)[0]
             fh.seek(at)
             fh.write(bytes([byte ^ (1 << rng.randrange(8))]))
+            fh.flush()
             outcomes.append(fuzz_models.run_case(path, seconds=120)[0])  # a full parse takes seconds here
             fh.seek(at)
             fh.write(bytes([byte]))
