@@ -3,8 +3,9 @@ time limit that stops a runaway loop in whichever thread renders.
 
 A template comes with the model file, so it is untrusted code: `range` is already capped by the sandbox, but nested
 loops, `'x' * 2000000000` or `10 ** 10 ** 9` would still hang the loader or exhaust memory. Sequence repetition
-and joining, powers and padding filters are checked before they allocate; loops are stopped by a per-thread trace function that
-looks at the clock on each line of template code (the compiled template's frames only, so the cost stays small).
+and joining, powers and padding filters are checked before they allocate; loops are stopped by a per-thread trace
+function that looks at the clock on each line of template code (the compiled template's frames only, so the cost
+stays small).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Pre
     return total
 
 
-ROPE_MAX_VALUES = 1 << 28  # 1 GiB of float32: a 1M-token context at head_dim 256
+ROPE_MAX_VALUES = 1 << 27  # 512 MiB of float32: a 1M-token context at head_dim 128
 _ROPE_CHUNK = 1 << 16
 
 
@@ -162,8 +162,9 @@ def rope_cache(config: ModelConfig, device) -> torch.Tensor:
     of positions at a time, so building the table takes little more memory than the table."""
     positions, dim = config.max_position_embeddings, config.head_dim
     if positions * dim > ROPE_MAX_VALUES:
-        raise UserError(f"the model's context length {positions} needs a rope table of {positions * dim * 4 / 2**30:.1f} "
-                        f"GiB; pass --max-model-len (at most {ROPE_MAX_VALUES // dim}) to run it with a shorter context")
+        raise UserError(f"the model's context length {positions} needs a rope table of "
+                        f"{positions * dim * 4 / 2**30:.1f} GiB; pass --max-model-len (at most "
+                        f"{ROPE_MAX_VALUES // dim}) to run it with a shorter context")
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
     table = torch.empty(positions, dim, dtype=torch.float32)

@@ -124,6 +124,16 @@ def test_runaway_chat_template_is_stopped(monkeypatch, name):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - usage < 200 * 1024  # KiB: nothing near 2 GB
 
 
+def test_a_models_chat_template_renders_bounded(tmp_path):
+    from flashnext.core.tokenizer import Tokenizer
+
+    folder = write_tiny_hf_model(tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": "{{ 'x' * 2000000000 }}"}))
+    with pytest.raises(UserError, match="the chat template was stopped: a repeated sequence would be 2e\\+09 long"):
+        Tokenizer.from_hf_folder(folder).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_bounded_template_still_renders_a_real_one():
     template = chat_template.compile_template(
         "{% for m in messages %}<{{ m.role }}>{{ m.content ~ '!' }}{% endfor %}{{ 'ab' * 3 }}{{ 2 ** 10 }}", "m")
