@@ -183,6 +183,7 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise UserError(f"{path}: no tokenizer.json; the folder needs the model's tokenizer.json (fast tokenizer)")
+        _check_bpe_file(tj)
         try:
             backend = _HFTokenizer.from_file(str(tj))
         except Exception as exc:
@@ -277,6 +278,7 @@ class Tokenizer:
             if not sep:
                 raise UserError(f"{source}: tokenizer.ggml.merges entry {m!r} is not 'a b'; the file is damaged")
             merges.append((a, b))
+        _check_merges(vocab, merges, f"{source}: GGUF tokenizer.ggml.merges")
         try:
             bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
         except Exception as exc:  # the BPE builder rejects merges of tokens the vocabulary lacks
@@ -338,6 +340,37 @@ class Tokenizer:
                 "pad_token": text_of("tokenizer.ggml.padding_token_id"),
             },
         )
+
+
+def _check_merges(vocab: dict, merges: list, where: str, prefix: str = "") -> None:
+    """Every merge joins two tokens of the vocabulary into a third: the BPE builder panics (a Rust panic, not an
+    error) on a merge whose result is missing. `prefix`: the model's continuing-subword prefix, dropped from b."""
+    for pair in merges:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise UserError(f"{where}: entry {str(pair)[:60]!r} is not a pair of tokens; the file is damaged")
+        a, b = pair
+        joined = a + (b[len(prefix):] if prefix and b.startswith(prefix) else b)
+        for token in (a, b, joined):
+            if token not in vocab:
+                raise UserError(f"{where}: merge {a + ' ' + b!r} needs token {token!r}, which the vocabulary lacks; "
+                                "the file is damaged, re-download it")
+
+
+def _check_bpe_file(path: Path) -> None:
+    """A tokenizer.json with a BPE model: its merges checked before the tokenizers library builds it."""
+    try:
+        data = json.loads(_read_text(path))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"{path}: not a valid tokenizer.json ({str(exc)[:120]}); re-download it") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise UserError(f"{path}: model.vocab or model.merges is malformed; re-download the tokenizer.json")
+    pairs = [m.split(" ", 1) if isinstance(m, str) and " " in m else m for m in merges]
+    prefix = model.get("continuing_subword_prefix")
+    _check_merges(vocab, pairs, f"{path}: model.merges", prefix if isinstance(prefix, str) else "")
 
 
 def _string_array(fields, key: str, source: str) -> list[str]:

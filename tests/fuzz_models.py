@@ -162,6 +162,8 @@ def gguf_structured(base: Gguf, arch: str) -> Iterator[tuple[str, Gguf]]:
     yield "token types short", variant(lambda g: g.set("tokenizer.ggml.token_type", ARRAY, (I32, [1])))
     yield "merges of unknown tokens", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY,
                                                                (STRING, [b"\xe2\x98\x83 zz"])))
+    yield "merge whose result is no token", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY,
+                                                                     (STRING, [_orphan_merge(g)])))
     yield "merge without a space", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY, (STRING, [b"ab"])))
     yield "tokens not an array", variant(lambda g: g.set("tokenizer.ggml.tokens", U32, 5))
     yield "chat template a number", variant(lambda g: g.set("tokenizer.chat_template", U32, 5))
@@ -180,6 +182,13 @@ def gguf_structured(base: Gguf, arch: str) -> Iterator[tuple[str, Gguf]]:
     yield "tensor shape swapped", variant(lambda g: setattr(g.tensors[0], "dims", g.tensors[0].dims[::-1]))
     yield "tensor dropped", variant(lambda g: g.tensors.pop(3))
     yield "norm weight as int32", variant(lambda g: _retype_norm(g, 26))
+
+
+def _orphan_merge(g: Gguf) -> bytes:
+    """Two single-character tokens whose join is not a token: the BPE builder panics on such a merge."""
+    tokens = {t.decode() for t in g.get("tokenizer.ggml.tokens")[1]}
+    singles = sorted(t for t in tokens if len(t) == 1)
+    return next(f"{a} {b}".encode() for a in singles for b in singles if a + b not in tokens)
 
 
 def _retype_norm(g: Gguf, ttype: int) -> None:
@@ -296,9 +305,10 @@ def hf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "llama
         ("tokenizer_config chat_template a number", lambda o: _tok_config(o, chat_template=5)),
         ("tokenizer_config chat_template list of junk", lambda o: _tok_config(o, chat_template=[{"name": [1]}])),
         ("tokenizer_config bos a list", lambda o: _tok_config(o, bos_token=["<|endoftext|>"])),
-        ("tokenizer_config deep", lambda o: (o / "tokenizer_config.json").write_text("{\"a\":" * 5000 + "1" + "}" * 5000)),
+        ("tokenizer_config deep", lambda o: (o / "tokenizer_config.json").write_text('{"a":' * 5000 + "1" + "}" * 5000)),
         ("generation_config eos a float", lambda o: (o / "generation_config.json").write_text('{"eos_token_id": 2.5}')),
         ("tokenizer.json truncated", lambda o: _truncate(o / "tokenizer.json", 0.5)),
+        ("tokenizer.json merge result missing", _drop_merged_token),
         ("tokenizer bigger than vocab", lambda o: _edit_config(o, vocab_size=100)),
         ("safetensors int32 weight", lambda o: _safetensors_with(o, _set_dtype("model.norm.weight", "I32"))),
         ("safetensors norm read as bool bytes", lambda o: _safetensors_with(o, _set_dtype_bool("model.norm.weight"))),
@@ -326,6 +336,14 @@ def hf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "llama
             data = data[: rng.randrange(len(data))]
         target.write_bytes(bytes(data))
         yield f"hf random {target.name} #{i}", out
+
+
+def _drop_merged_token(out: Path) -> None:
+    data = json.loads((out / "tokenizer.json").read_text())
+    first = data["model"]["merges"][0]
+    a, b = first.split(" ") if isinstance(first, str) else first
+    del data["model"]["vocab"][a + b]
+    (out / "tokenizer.json").write_text(json.dumps(data))
 
 
 def _edit_config(out: Path, **changes) -> None:

@@ -94,8 +94,10 @@ RUNAWAY_TEMPLATES = {
     "nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "string times 2e9": "{{ 'x' * 2000000000 }}",
     "list times 2e9": "{{ [1] * 2000000000 }}",
-    "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-    "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                       "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+                       "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "huge power": "{{ 10 ** (10 ** 9) }}",
     "huge padding": "{{ 'x'|center(2000000000) }}",
     "output past the cap": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
@@ -150,7 +152,8 @@ def test_bounded_template_still_renders_a_real_one():
     ("attention.head_count=9:(4, [1, 2, 3", "llama.attention.head_count = [1, 2, 3] is not a whole number"),
     ("tokenizer.ggml.bos_token_id=1000000", "tokenizer.ggml.bos_token_id = '1000000' is not a token id"),
     ("tokenizer.ggml.bos_token_id=1", "tokenizer.ggml.bos_token_id = '1' is not a token id"),
-    ("merges of unknown tokens", "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens"),
+    ("merges of unknown tokens", "tokenizer.ggml.merges: merge '☃ zz' needs token '☃', which the vocabulary lacks"),
+    ("merge whose result is no token", "which the vocabulary lacks"),
     ("token types strings", "tokenizer.ggml.token_type is not a list of whole numbers"),
     ("kv heads not dividing", "4 attention heads do not divide into 3 KV heads"),
 ])
@@ -198,6 +201,12 @@ def test_config_of_the_wrong_type_or_shape_is_named(tmp_path, field, value, frag
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {field: value}))
     refused(folder, fragment)
+
+
+def test_tokenizer_json_merge_without_its_token_is_named_not_a_panic(tmp_path):
+    folder = write_tiny_hf_model(tmp_path / "m")
+    fuzz_models._drop_merged_token(folder)
+    refused(folder, "tokenizer.json: model.merges: merge", "which the vocabulary lacks")
 
 
 def test_deeply_nested_config_is_named(tmp_path):
