@@ -431,7 +431,9 @@ def run_case(path: Path, generate: Callable | None = None, seconds: int = CASE_S
         return "hang", f"no answer in {seconds} s"
     except MemoryError:
         return "memory past the cap", ""
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a Rust panic in a library is a BaseException
         return "internal error", f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
