@@ -329,7 +329,8 @@ def hf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "llama
         out = _copy(base, folder, f"r{i}")
         target = out / rng.choice(["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"])
         data = bytearray(target.read_bytes())
-        limit = min(len(data), 4096)  # headers and JSON: where a flip changes meaning rather than a weight
+        # safetensors: the header, where a flip changes meaning rather than a weight; JSON files: anywhere
+        limit = min(len(data), 4096) if target.suffix == ".safetensors" else len(data)
         for _ in range(rng.randint(1, 4)):
             at = rng.randrange(limit)
             data[at] ^= 1 << rng.randrange(8)
