@@ -1,5 +1,6 @@
 """The Python API: `LLM(model=..., backend=...).generate(prompts, params)`; the CLI and server use it too."""
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,14 @@ def resolve_profile(backend, name: str | None, overrides: dict) -> Profile:
     return profiles[name].overridden(**env_overrides()).overridden(**overrides)
 
 
+def within_context(loaded: LoadedModel, max_model_len: int | None) -> LoadedModel:
+    """The model with its context length cut to --max-model-len, so tables sized by it (rope) stay that small."""
+    if max_model_len is None or max_model_len >= loaded.config.max_position_embeddings:
+        return loaded
+    config = loaded.config.model_copy(update={"max_position_embeddings": max_model_len})
+    return dataclasses.replace(loaded, config=config)
+
+
 class LLM:
     def __init__(self, model: str | LoadedModel | None = None, backend: str = "auto", precision: str | None = None,
                  profile: str | None = None, **profile_overrides):
@@ -52,6 +61,7 @@ class LLM:
         apply_threads(self.threads)
         self.loaded = model if isinstance(model, LoadedModel) else self._load(model)
         self.tokenizer = self.loaded.tokenizer
+        self.loaded = within_context(self.loaded, settings.max_model_len)
         with progress.stage(f"preparing weights for {entry.name}") as advance:
             self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)
             advance(self.engine.precision.name)

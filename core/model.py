@@ -153,14 +153,25 @@ def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Pre
     return total
 
 
+ROPE_MAX_VALUES = 1 << 27  # 512 MiB of float32: a 1M-token context at head_dim 128
+_ROPE_CHUNK = 1 << 16
+
+
 def rope_cache(config: ModelConfig, device) -> torch.Tensor:
-    """[max_pos, head_dim] table: cos in the first half, sin in the second."""
-    dim = config.head_dim
+    """[max_pos, head_dim] table: cos in the first half, sin in the second. Angles are computed in float64 a chunk
+    of positions at a time, so building the table takes little more memory than the table."""
+    positions, dim = config.max_position_embeddings, config.head_dim
+    if positions * dim > ROPE_MAX_VALUES:
+        raise UserError(f"the model's context length {positions} needs a rope table of "
+                        f"{positions * dim * 4 / 2**30:.1f} GiB; pass --max-model-len (at most "
+                        f"{ROPE_MAX_VALUES // dim}) to run it with a shorter context")
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-    angles = torch.outer(positions, inv_freq)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(device)
+    table = torch.empty(positions, dim, dtype=torch.float32)
+    for start in range(0, positions, _ROPE_CHUNK):
+        angles = torch.outer(torch.arange(start, min(start + _ROPE_CHUNK, positions), dtype=torch.float64), inv_freq)
+        table[start:start + len(angles)] = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return table.to(device)
 
 
 def _scale_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:

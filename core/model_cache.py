@@ -8,6 +8,8 @@ a fraction of that. Entries are keyed by the file's absolute path, size and mtim
 import hashlib
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from safetensors import safe_open
@@ -20,6 +22,7 @@ from .tokenizer import Tokenizer
 
 FORMAT_VERSION = "1"
 _INT4_PARTS = ("packed", "scales", "offsets")
+_META_KEYS = {"bos_token_id", "eos_token_ids", "add_bos", "chat_template"}
 
 
 def _root() -> Path | None:
@@ -65,8 +68,25 @@ def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) 
 
 
 def load(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer] | None:
-    if not (entry / "tokenizer_meta.json").is_file():
+    """The entry's model, or None when there is none or it is damaged (then it is removed, to be rebuilt)."""
+    if not entry.exists():
         return None
+    try:
+        return _read(entry, source)
+    except Exception as exc:  # the entry is only a copy of the GGUF: any fault in it means convert again
+        discard(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+        return None
+
+
+def discard(entry: Path, reason: str) -> None:
+    print(f"warning: {entry}: damaged converted-model cache entry ({reason}); rebuilding it", file=sys.stderr)
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
+
+
+def _read(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer]:
     with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
         groups = f.metadata() or {}
         flat = {name: f.get_tensor(name) for name in f.keys()}
@@ -78,6 +98,8 @@ def load(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer] | None
         parts = [flat[f"{name}#int4.{p}"] for p in _INT4_PARTS]
         weights[name] = Int4Weight(*parts, group_size=int(group))
     meta = json.loads((entry / "tokenizer_meta.json").read_text())
+    if not isinstance(meta, dict) or set(meta) != _META_KEYS:
+        raise ValueError(f"tokenizer_meta.json holds {sorted(meta) if isinstance(meta, dict) else type(meta)}")
     tokenizer = Tokenizer(HFTokenizer.from_str((entry / "tokenizer.json").read_text()), source=source, **meta)
     config = ModelConfig.model_validate_json((entry / "config.json").read_text())
     return config, weights, tokenizer

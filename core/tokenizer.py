@@ -10,13 +10,13 @@ Built on the `tokenizers` library. Two sources:
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
+from flashnext.core import chat_template
 from flashnext.core.errors import UserError
 
 # Pre-tokenizer split regexes, as llama.cpp (llama-vocab.cpp) and transformers' GGUF converter define them.
@@ -65,20 +65,6 @@ def _byte_level_pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.Pr
     raise UserError(
         f"{source}: tokenizer.ggml.pre '{pre}' is not supported; supported: {', '.join(supported)}"
     )
-
-
-def _raise_exception(message: str) -> None:
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 class IncrementalDecoder:
@@ -139,6 +125,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._special = special_tokens or {}
         self._template_cache = None
+        if bos_token_id is not None and backend.id_to_token(bos_token_id) is None:
+            raise UserError(f"{source}: bos_token_id {bos_token_id} is not a token of the tokenizer (0 to "
+                            f"{self.vocab_size - 1}); fix the model's config")
         if add_bos and bos_token_id is not None and not self._post_processor_adds_bos():
             bos = backend.id_to_token(bos_token_id)
             backend.post_processor = processors.TemplateProcessing(
@@ -164,6 +153,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(int(token_id))
 
+    def largest_id(self) -> int:
+        return max(self._tk.get_vocab(with_added_tokens=True).values(), default=-1)
+
     def stream(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
 
@@ -180,22 +172,9 @@ class Tokenizer:
                 f"{self.source}: the model has no chat template; run without --chat or use a model that has one"
             )
         if self._template_cache is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            try:
-                self._template_cache = env.from_string(self.chat_template)
-            except Exception as exc:  # jinja2.TemplateSyntaxError
-                raise UserError(f"{self.source}: the chat template does not parse ({exc}); fix or remove it") from None
-        try:
-            return self._template_cache.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special, **extra
-            )
-        except Exception as exc:
-            raise UserError(f"{self.source}: chat template failed on these messages: {exc}") from None
+            self._template_cache = chat_template.compile_template(self.chat_template, self.source)
+        return chat_template.render(self._template_cache, self.source, messages=messages,
+                                    add_generation_prompt=add_generation_prompt, **self._special, **extra)
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -204,6 +183,7 @@ class Tokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise UserError(f"{path}: no tokenizer.json; the folder needs the model's tokenizer.json (fast tokenizer)")
+        _check_bpe_file(tj)
         try:
             backend = _HFTokenizer.from_file(str(tj))
         except Exception as exc:
@@ -214,8 +194,8 @@ class Tokenizer:
 
         def tok_text(value) -> str | None:
             if isinstance(value, dict):
-                return value.get("content")
-            return value
+                value = value.get("content")
+            return value if isinstance(value, str) else None
 
         def tok_id(value) -> int | None:
             text = tok_text(value)
@@ -224,26 +204,28 @@ class Tokenizer:
         bos_token = tok_text(cfg.get("bos_token"))
         eos_token = tok_text(cfg.get("eos_token"))
         bos_id = tok_id(bos_token)
-        if bos_id is None and isinstance(mcfg.get("bos_token_id"), int):
+        if bos_id is None and type(mcfg.get("bos_token_id")) is int:
             bos_id = mcfg["bos_token_id"]
         eos_ids: list[int] = []
         for src in (gen.get("eos_token_id"), mcfg.get("eos_token_id")):
             if isinstance(src, int):
                 src = [src]
-            for i in src or []:
-                if isinstance(i, int) and i not in eos_ids:
+            for i in src if isinstance(src, list) else []:
+                if type(i) is int and i not in eos_ids:
                     eos_ids.append(i)
         eid = tok_id(eos_token)
         if eid is not None and eid not in eos_ids:
             eos_ids.insert(0, eid)
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            named = {str(t.get("name")): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+        if template is not None and not isinstance(template, str):
+            raise UserError(f"{path / 'tokenizer_config.json'}: field 'chat_template' is not text; fix or remove it")
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
-        add_bos = bool(cfg.get("add_bos_token", False))
+            template = _read_text(jinja_file)
+        add_bos = cfg.get("add_bos_token", False) is True
         tok = cls(
             backend,
             bos_token_id=bos_id,
@@ -281,8 +263,10 @@ class Tokenizer:
             )
         tokens = _string_array(fields, "tokenizer.ggml.tokens", source)
         merges_raw = _string_array(fields, "tokenizer.ggml.merges", source)
-        types_field = fields.get("tokenizer.ggml.token_type")
-        token_types = [int(x) for x in types_field.contents()] if types_field is not None else [1] * len(tokens)
+        token_types = scalar("tokenizer.ggml.token_type", [1] * len(tokens))
+        if not isinstance(token_types, list) or not all(type(x) is int for x in token_types):
+            raise UserError(f"{source}: GGUF metadata tokenizer.ggml.token_type is not a list of whole numbers; the "
+                            "file is damaged, re-download it")
         if len(token_types) != len(tokens):
             raise UserError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
         vocab = {}
@@ -294,10 +278,16 @@ class Tokenizer:
             if not sep:
                 raise UserError(f"{source}: tokenizer.ggml.merges entry {m!r} is not 'a b'; the file is damaged")
             merges.append((a, b))
-        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
+        _check_merges(vocab, merges, f"{source}: GGUF tokenizer.ggml.merges")
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
+        except Exception as exc:  # the BPE builder rejects merges of tokens the vocabulary lacks
+            raise UserError(f"{source}: GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc}); the file "
+                            "is damaged, re-download it") from None
         backend = _HFTokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(scalar("tokenizer.ggml.pre"), source)
-        if scalar("tokenizer.ggml.pre") in ("qwen2", "deepseek-r1-qwen"):
+        pre = scalar("tokenizer.ggml.pre")
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else repr(pre), source)
+        if pre in ("qwen2", "deepseek-r1-qwen"):
             backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -315,46 +305,102 @@ class Tokenizer:
             backend.add_special_tokens(specials)
         if users:
             backend.add_tokens(users)
-        bos = scalar("tokenizer.ggml.bos_token_id")
-        eos = scalar("tokenizer.ggml.eos_token_id")
-        eot = scalar("tokenizer.ggml.eot_token_id")
-        eos_ids = [int(x) for x in (eos, eot) if x is not None]
-        eos_ids = list(dict.fromkeys(eos_ids))
+        def token_id(key: str) -> int | None:
+            value = scalar(key)
+            if value is None:
+                return None
+            if type(value) is not int or not 0 <= value < len(tokens):
+                raise UserError(f"{source}: GGUF metadata {key} = {str(value)[:40]!r} is not a token id (0 to "
+                                f"{len(tokens) - 1}); the file is damaged, re-download it")
+            return value
 
-        def text_of(i):
-            return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
+        bos = token_id("tokenizer.ggml.bos_token_id")
+        eos = token_id("tokenizer.ggml.eos_token_id")
+        eot = token_id("tokenizer.ggml.eot_token_id")
+        eos_ids = list(dict.fromkeys(x for x in (eos, eot) if x is not None))
+        template = scalar("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise UserError(f"{source}: GGUF metadata tokenizer.chat_template is not text; the file is damaged")
+
+        def text_of(key):
+            i = scalar(key)
+            return tokens[i] if type(i) is int and 0 <= i < len(tokens) else ""
 
         return cls(
             backend,
-            bos_token_id=int(bos) if bos is not None else None,
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
-            add_bos=bool(scalar("tokenizer.ggml.add_bos_token", False)),
-            chat_template=scalar("tokenizer.chat_template"),
+            add_bos=scalar("tokenizer.ggml.add_bos_token", False) is True,
+            chat_template=template,
             source=source,
             special_tokens={
-                "bos_token": text_of(bos),
-                "eos_token": text_of(eos),
-                "unk_token": text_of(scalar("tokenizer.ggml.unknown_token_id")),
-                "pad_token": text_of(scalar("tokenizer.ggml.padding_token_id")),
+                "bos_token": text_of("tokenizer.ggml.bos_token_id"),
+                "eos_token": text_of("tokenizer.ggml.eos_token_id"),
+                "unk_token": text_of("tokenizer.ggml.unknown_token_id"),
+                "pad_token": text_of("tokenizer.ggml.padding_token_id"),
             },
         )
+
+
+def _check_merges(vocab: dict, merges: list, where: str, prefix: str = "") -> None:
+    """Every merge joins two tokens of the vocabulary into a third: the BPE builder panics (a Rust panic, not an
+    error) on a merge whose result is missing. `prefix`: the model's continuing-subword prefix, dropped from b."""
+    for pair in merges:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise UserError(f"{where}: entry {str(pair)[:60]!r} is not a pair of tokens; the file is damaged")
+        a, b = pair
+        joined = a + (b[len(prefix):] if prefix and b.startswith(prefix) else b)
+        for token in (a, b, joined):
+            if token not in vocab:
+                raise UserError(f"{where}: merge {a + ' ' + b!r} needs token {token!r}, which the vocabulary lacks; "
+                                "the file is damaged, re-download it")
+
+
+def _check_bpe_file(path: Path) -> None:
+    """A tokenizer.json with a BPE model: its merges checked before the tokenizers library builds it."""
+    try:
+        data = json.loads(_read_text(path))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"{path}: not a valid tokenizer.json ({str(exc)[:120]}); re-download it") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise UserError(f"{path}: model.vocab or model.merges is malformed; re-download the tokenizer.json")
+    pairs = [m.split(" ", 1) if isinstance(m, str) and " " in m else m for m in merges]
+    prefix = model.get("continuing_subword_prefix")
+    _check_merges(vocab, pairs, f"{path}: model.merges", prefix if isinstance(prefix, str) else "")
 
 
 def _string_array(fields, key: str, source: str) -> list[str]:
     f = fields.get(key)
     if f is None:
         raise UserError(f"{source}: GGUF metadata {key} is missing; the file has no usable tokenizer")
+    if [t.name for t in f.types] != ["ARRAY", "STRING"]:
+        raise UserError(f"{source}: GGUF metadata {key} is not an array of strings; the file is damaged")
     try:
         return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
     except Exception:
         raise UserError(f"{source}: GGUF metadata {key} is not a string array; the file is damaged") from None
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); fix or re-download it") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror}); check the path and permissions") from None
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
         raise UserError(f"{path}: invalid JSON ({exc}); fix or re-download the file") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply to be a model file; fix or re-download it") from None
     return data if isinstance(data, dict) else {}

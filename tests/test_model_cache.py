@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from fixtures import write_tiny_gguf
@@ -57,3 +58,41 @@ def test_cache_can_be_turned_off(tmp_path, monkeypatch):
     write_tiny_gguf(path, arch="qwen3", qtype="Q8_0")
     assert model_cache.entry_for(path) is None
     assert load_model(str(path)).config.architecture == "qwen3"
+
+
+def _damage_weights(entry):
+    data = bytearray((entry / "weights.safetensors").read_bytes())
+    data[:8] = (2**62).to_bytes(8, "little")
+    (entry / "weights.safetensors").write_bytes(bytes(data))
+
+
+def _damage_config_vocab(entry):
+    import json
+
+    cfg = json.loads((entry / "config.json").read_text())
+    (entry / "config.json").write_text(json.dumps(cfg | {"vocab_size": 5}))
+
+
+@pytest.mark.parametrize("damage", [
+    _damage_weights,
+    lambda e: (e / "tokenizer_meta.json").write_text("{not json"),
+    lambda e: (e / "tokenizer_meta.json").write_text('{"bos_token_id": "x"}'),
+    lambda e: (e / "tokenizer.json").write_bytes(b"\xff\xfe"),
+    lambda e: (e / "config.json").unlink(),
+    _damage_config_vocab,
+], ids=["weights header", "meta json", "meta fields", "tokenizer bytes", "config gone", "config vocab"])
+def test_damaged_cache_entry_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capsys, damage):
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="llama", qtype="Q4_1")
+    first = load_model(str(path))
+    entry = model_cache.entry_for(path)
+    damage(entry)
+    capsys.readouterr()
+    again = load_model(str(path))
+    warning = capsys.readouterr().err.strip()
+    assert warning.startswith("warning: ") and "rebuilding" in warning and "\n" not in warning
+    assert again.config == first.config and same_weights(first.weights, again.weights)
+    assert (entry / "tokenizer_meta.json").is_file()  # rebuilt, so the third load is quiet and cached
+    load_model(str(path))
+    assert capsys.readouterr().err == ""
