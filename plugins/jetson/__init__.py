@@ -151,8 +151,12 @@ class JetsonBackend(CudaBackend):
         if self.memory is None:
             raise UserError("the jetson backend's memory budget is set when a request is checked; call check_request")
         free = self.memory.free(psutil.virtual_memory().available)
-        if torch.cuda.is_available() and not torch.cuda.get_device_properties(0).is_integrated:
-            free = min(free, super().free_memory_bytes())  # a discrete stand-in: its own memory bounds it too
+        if torch.cuda.is_available():
+            if not torch.cuda.get_device_properties(0).is_integrated:  # a stand-in: its own memory bounds it too
+                return max(min(free, super().free_memory_bytes()), 0)
+            # Blocks torch's caching allocator holds but no tensor uses left the system's available memory, yet
+            # are ours to reuse.
+            free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return max(free, 0)
 
     def device_telemetry(self) -> dict:
