@@ -254,6 +254,7 @@ def test_budget_is_a_fraction_of_available_memory_at_start(as_board, monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2 * GIB)  # 1 GiB cached by torch, free to reuse
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: GIB)
     assert backend.free_memory_bytes() == int(11.2 * GIB * 0.75) - 2 * GIB
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: GIB)
     monkeypatch.setenv("FLASHNEXT_MEMORY_FRACTION", "0.5")
     later = JetsonBackend()
     later.check_request("bf16", resolve_profile(later, None, {}))
