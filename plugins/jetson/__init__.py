@@ -110,7 +110,7 @@ class JetsonBackend(CudaBackend):
                         max_num_seqs=16, max_num_batched_tokens=512, spec_max_batch=4, memory_utilization=1.0,
                         memory_fraction=0.75)
         # full: decode graphs as on discrete GPUs; vLLM users on Orin report 1-3 GiB more memory for them
-        # (vllm #13131, jetson-containers #795), so the budget leaves a larger share outside the KV cache.
+        # (their reports in vLLM's and jetson-containers' issue trackers), so the budget leaves a larger share outside the KV cache.
         full = eager.overridden(name="full", cuda_graphs=True, graph_batch_sizes=[1, 2, 4, 8, 16],
                                 memory_utilization=0.85)
         return {"eager": eager, "basic": eager.basic(), "full": full}
@@ -143,8 +143,8 @@ class JetsonBackend(CudaBackend):
             raise UserError(f"{precision} needs FP8 tensor cores (compute capability 8.9 or later); {self.board.name}"
                             f" is {major}.{minor}: use --precision int4 (a quarter of bf16's memory) or bf16")
         chosen = super().check_request(precision, profile)
-        if self.memory is None:
-            self.memory = UnifiedMemory(psutil.virtual_memory().available, profile.memory_fraction)
+        # Each engine checks its request first, before it places anything: its budget starts here.
+        self.memory = UnifiedMemory(psutil.virtual_memory().available, profile.memory_fraction)
         return chosen
 
     def free_memory_bytes(self) -> int:
