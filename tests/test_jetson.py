@@ -311,8 +311,8 @@ def test_a_model_past_the_budget_is_refused_in_one_line(as_board, monkeypatch, t
     args = ["run", "hi", "--backend", "jetson", "--model", "llama-3-8b"] + (["--precision", precision] if precision else [])
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "llama-3-8b: its weights need at least" in lines[0] and fix in lines[0]
+    lines = [x for x in result.stderr.strip().splitlines() if not x.startswith("warning: jetson: ")]  # 15W on the NX
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "llama-3-8b: its weights need at least" in lines[0] and fix in lines[0]
     assert "fp8" not in lines[0]  # not offered on an Orin
     assert ("as bf16" if precision else "as int4") in lines[0]
 
@@ -332,3 +332,16 @@ def test_explain_shows_board_release_power_clock_temperatures_budget(as_board, n
         assert facts["unreadable"]
     cuda = next(x for x in result.stdout.splitlines() if x.startswith("cuda: "))
     assert cuda == "cuda: {}"  # cuda refuses the integrated GPU; jetson serves it
+
+
+@pytest.mark.parametrize("name, said", [("orin-nx-16gb-jp5", ["power mode 15W (id 2) is not MAXN"]),
+                                        ("orin-nano-8gb-jp6", ["gpu-thermal is at 91.5 C", "tj-thermal is at 91.5 C"]),
+                                        ("agx-orin-64gb-jp6", [])])
+def test_power_and_heat_warnings_go_to_stderr_once_at_start(as_board, capsys, name, said):
+    as_board(name)
+    backend = JetsonBackend()
+    for _ in range(2):
+        backend.check_request("int4", backend.profiles()["eager"])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(said) and all(line.startswith("warning: jetson: ") for line in lines)
+    assert all(fragment in line for fragment, line in zip(said, lines))

@@ -9,6 +9,7 @@ benchmarks run on a datacenter GPU (docs/backends.md)."""
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class JetsonBackend(CudaBackend):
     def __init__(self, root: Path | None = None, run: power.Runner = power.run_command):
         self.root, self.run = root, run
         self.memory: UnifiedMemory | None = None
+        self._warned = False
         self._board: Board | None = None
         self._telemetry: tuple[float, dict] | None = None
 
@@ -145,7 +147,17 @@ class JetsonBackend(CudaBackend):
         chosen = super().check_request(precision, profile)
         # Each engine checks its request first, before it places anything: its budget starts here.
         self.memory = UnifiedMemory(psutil.virtual_memory().available, profile.memory_fraction)
+        self._warn_once()
         return chosen
+
+    def _warn_once(self) -> None:
+        """A capped power mode or a zone near its trip point slows decode without failing it: say so at start."""
+        if self._warned:
+            return
+        self._warned = True
+        root = self.board.root
+        for line in power.warnings(power.read_power_mode(root, self.run), power.read_thermal_zones(root)):
+            print(f"warning: jetson: {line}", file=sys.stderr)
 
     def free_memory_bytes(self) -> int:
         if self.memory is None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .board import read_text
 
-GPU_NODE_NAMES = ("ga10b", "gpu", "gv11b", "gp10b")  # devfreq of_node names of Tegra GPUs: Orin is ga10b
+GPU_NODE_NAMES = ("ga10b", "gv11b", "gp10b")  # devfreq of_node names of the nvgpu-driven GPUs: Orin is ga10b
+THOR_GPU_ENTRY = "gpu-gpc-0"  # Thor's GPU (nvidia.ko, no device-tree node): its GPC clock domain, as jetson-stats reads it
 THERMAL_MARGIN_C = 10.0  # closer than this to a trip point, the board is about to throttle
 THROTTLING_TRIPS = ("passive", "hot", "critical")  # "active" trips only start a fan
 
@@ -58,18 +59,25 @@ class GpuClock:
 
 
 def read_gpu_clock(root: Path) -> GpuClock | None:
-    """The /sys/class/devfreq entry whose device is the GPU (tegrastats and jtop read the same files)."""
+    """The /sys/class/devfreq entry of the GPU (tegrastats and jtop read the same files)."""
     devfreq = root / "sys/class/devfreq"
-    problems: list[str] = []
     for entry in sorted(devfreq.glob("*")) if devfreq.is_dir() else []:
-        node = read_text(entry / "device/of_node/name", problems)
-        if node not in GPU_NODE_NAMES:
+        node = entry.name if entry.name == THOR_GPU_ENTRY else read_text(entry / "device/of_node/name", [])
+        if node not in (*GPU_NODE_NAMES, THOR_GPU_ENTRY):
             continue
-        cur, top = _number(entry / "cur_freq"), _number(entry / "max_freq")
+        cur, top = _mhz(_number(entry / "cur_freq")), _mhz(_number(entry / "max_freq"))
         load = _number(entry / "device/load")
-        return GpuClock(node, cur / 1e6 if cur is not None else None, top / 1e6 if top is not None else None,
-                        load / 1000 if load is not None else None)
+        load = _number(entry / "load") if load is None else load
+        return GpuClock(node, cur, top, load / 1000 if load is not None else None)
     return None
+
+
+def _mhz(freq: float | None) -> float | None:
+    """devfreq speaks Hz, but jetson-stats reads Thor's GPC domain as kHz: no GPU runs under 10 MHz, so a smaller
+    number is kHz."""
+    if freq is None:
+        return None
+    return freq / 1e6 if freq >= 1e7 else freq / 1e3
 
 
 @dataclass
