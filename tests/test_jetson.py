@@ -98,9 +98,12 @@ def test_probe_names_the_board_its_release_and_capability(as_board, name):
 
 def test_fp8_is_in_the_facts_by_capability(as_board):
     as_board("agx-orin-64gb-jp6")
-    assert "no FP8 tensor cores" in JetsonBackend().probe().facts["fp8"]
+    orin = JetsonBackend()
+    assert "no FP8 tensor cores" in orin.probe().facts["fp8"]
+    assert "int4" in orin.precisions and not any(p.startswith("fp8") for p in orin.precisions)
     as_board("agx-thor-jp7")
-    assert JetsonBackend().probe().facts["fp8"] is True
+    thor = JetsonBackend()
+    assert thor.probe().facts["fp8"] is True and "fp8-e4m3" in thor.precisions
 
 
 def test_broken_board_says_what_it_could_not_read(as_board):
@@ -325,6 +328,7 @@ def test_explain_shows_board_release_power_clock_temperatures_budget(as_board, n
     line = next(x for x in result.stdout.splitlines() if x.startswith("jetson: "))
     facts = json.loads(line.removeprefix("jetson: "))
     assert {"board", "power_mode", "gpu_clock", "temperature_celsius", "memory_budget_gib", "warnings"} <= set(facts)
+    assert "1-3 GiB more memory" in facts["profiles"]["full"]
     if name in BOARDS:
         assert facts["jetpack"] == BOARDS[name].jetpack and facts["l4t"] == BOARDS[name].l4t
         assert facts["gpu_clock"]["cur_mhz"] == BOARDS[name].gpu_mhz

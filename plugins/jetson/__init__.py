@@ -32,6 +32,11 @@ FP8_CAPABILITY = (8, 9)
 INT4_ABOVE_PARAMETERS = 1_000_000_000  # larger models default to int4: a quarter of bf16's share of the RAM
 TELEMETRY_TTL_S = 2.0  # /health and /metrics share a reading
 GIB = 1 << 30
+PROFILE_NOTES = {
+    "eager": "default: no CUDA graphs, chunked prefill (512-token steps), n-gram speculation, prefix caching",
+    "basic": "no graphs, no chunked prefill, no speculation",
+    "full": "CUDA graphs for decode: vLLM users on Jetson report 1-3 GiB more memory with graphs",
+}
 
 
 def jetson_root() -> Path:
@@ -96,6 +101,8 @@ class JetsonBackend(CudaBackend):
         facts |= {"device": props.name, "integrated": bool(props.is_integrated),
                   "compute_capability": f"{major}.{minor}",
                   "fp8": self._fp8_capable() or f"no: compute capability {major}.{minor} has no FP8 tensor cores"}
+        if not self._fp8_capable():  # what `flashnext backends` lists for this board
+            self.precisions = tuple(p for p in CudaBackend.precisions if p not in FP8_MAX)
         where = f"{board.name} (L4T {board.l4t or '?'}, JetPack {board.jetpack or '?'}; compute capability {major}.{minor})"
         if not props.is_integrated:
             if not discrete_allowed():
@@ -212,7 +219,7 @@ class JetsonBackend(CudaBackend):
         fraction = self.profiles()[self.default_profile].overridden(**env_overrides()).memory_fraction
         memory = psutil.virtual_memory()
         budget = UnifiedMemory(memory.available, fraction).budget
-        return {"memory_total_gib": round(memory.total / GIB, 2), "memory_available_gib": round(memory.available / GIB, 2),
+        return {"profiles": PROFILE_NOTES, "memory_total_gib": round(memory.total / GIB, 2), "memory_available_gib": round(memory.available / GIB, 2),
                 "memory_fraction": fraction, "memory_budget_gib": round(budget / GIB, 2),
                 "memory_budget": "weights + KV cache + activations, from available system memory (unified)"}
 
