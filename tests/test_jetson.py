@@ -2,6 +2,7 @@
 torch's device and psutil's memory patched to what each board reports."""
 
 import json
+import os
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,9 @@ from flashnext.core.llm import resolve_profile
 from flashnext.plugins.jetson import JetsonBackend, UnifiedMemory
 from flashnext.plugins.jetson import power
 from flashnext.plugins.jetson.board import parse_boardids, parse_release, read_board
+
+if not torch.cuda.is_available():  # the CUDA plugin's Triton kernels run interpreted on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "jetson"
 GIB = 1 << 30
@@ -349,3 +353,44 @@ def test_power_and_heat_warnings_go_to_stderr_once_at_start(as_board, capsys, na
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == len(said) and all(line.startswith("warning: jetson: ") for line in lines)
     assert all(fragment in line for fragment, line in zip(said, lines))
+
+
+class JetsonOnCpu(JetsonBackend):
+    """The jetson backend's kernels, runner and profiles with tensors on the CPU (Triton interpreted)."""
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def peak_memory_bytes(self, run) -> None:
+        return None
+
+
+@pytest.mark.slow  # the Triton interpreter: tens of seconds on a 2-core machine
+def test_eager_profile_generates_what_plain_greedy_decoding_does(tiny_random, monkeypatch):
+    """eager runs the CUDA plugin's runner without graphs, with chunked prefill and n-gram drafts verified eagerly:
+    greedy tokens equal the plain profile's; its KV cache is sized from the unified budget."""
+    pytest.importorskip("triton")
+    from flashnext.core.engine.engine import LLMEngine
+    from flashnext.core.engine.sequence import SamplingParams
+
+    pretend_board(monkeypatch, "orin-nano-8gb-jp6")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    backend = JetsonOnCpu()
+    eager = backend.profiles()["eager"].overridden(max_model_len=128, max_num_batched_tokens=16, block_size=4)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))]  # repeats give the n-gram drafter matches
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs, drafted = {}, {}
+    for name, profile in {"eager": eager, "plain": eager.basic()}.items():
+        engine = LLMEngine(backend, tiny_random, "fp32", profile)
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        outputs[name] = [s.output_ids for s in seqs]
+        drafted[name] = engine.spec.stats.drafted if engine.spec else 0
+    assert outputs["eager"] == outputs["plain"] and all(len(o) == 8 for o in outputs["eager"])
+    assert drafted["eager"] > 0 and drafted["plain"] == 0
+    assert engine.blocks.num_blocks == eager.max_num_seqs * 128 // 4  # a 3.7 GiB budget holds every block
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(8 * GIB, 40_000))  # 30 kB budget
+    small = LLMEngine(backend, tiny_random, "fp32", eager)
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 kv heads x 16 dims, 4 tokens, fp32
+    assert small.blocks.num_blocks == 30_000 // block_bytes
