@@ -286,6 +286,9 @@ def test_int4_is_the_default_above_a_billion_parameters():
     large = {f"w{i}": torch.empty(32000, 4096, device="meta") for i in range(8)}
     assert backend.preferred_precision(small) == "bf16"
     assert backend.preferred_precision(large) == "int4"
+    from flashnext.core.precision import int4_quantize
+
+    assert backend.preferred_precision({"w": int4_quantize(torch.randn(8, 128))}) == "int4"  # e.g. a GGUF Q4
 
 
 def _llama_8b(tiny_llama):

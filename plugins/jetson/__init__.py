@@ -19,7 +19,7 @@ import torch
 from flashnext.core.backend import Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
-from flashnext.core.precision import FP8_MAX, Fp8Weight
+from flashnext.core.precision import FP8_MAX, Fp8Weight, Int4Weight
 from flashnext.core.profile import Profile, env_overrides
 from flashnext.plugins.cuda import CudaBackend
 
@@ -138,13 +138,14 @@ class JetsonBackend(CudaBackend):
         return precision.name == "fp8-e4m3" or (precision.name == "int4" and self._fp8_capable())
 
     def preferred_precision(self, weights: dict) -> str:
-        """int4 for models over a billion parameters (the RAM is shared with the OS), an fp8 checkpoint's own
-        precision where the GPU has FP8 tensor cores, else bf16."""
+        """An int4 checkpoint's own precision, and int4 for models over a billion parameters (the RAM is shared with
+        the OS); an fp8 checkpoint's own precision where the GPU has FP8 tensor cores; else bf16."""
         stored_fp8 = any(isinstance(w, Fp8Weight) and w.fmt == "fp8-e4m3" for w in weights.values())
         if stored_fp8 and self._fp8_capable():
             return "fp8-e4m3"
+        stored_int4 = any(isinstance(w, Int4Weight) for w in weights.values())
         parameters = sum(math.prod(w.shape) for w in weights.values())
-        return "int4" if parameters > INT4_ABOVE_PARAMETERS else self.default_precision
+        return "int4" if stored_int4 or parameters > INT4_ABOVE_PARAMETERS else self.default_precision
 
     def check_request(self, precision: str, profile: Profile):
         if precision in FP8_MAX and not self._fp8_capable():
