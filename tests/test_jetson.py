@@ -298,7 +298,8 @@ def _llama_8b(tiny_llama):
     tokenizer = load_model(str(tiny_llama)).tokenizer
     cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
-    shapes = {"model.embed_tokens.weight": (128256, 4096), "lm_head.weight": (128256, 4096), "model.norm.weight": (4096,)}
+    shapes = {"model.embed_tokens.weight": (128256, 4096), "lm_head.weight": (128256, 4096),
+              "model.norm.weight": (4096,)}
     for i in range(32):
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (4096, 4096), p + "self_attn.k_proj.weight": (1024, 4096),
@@ -318,11 +319,12 @@ def test_a_model_past_the_budget_is_refused_in_one_line(as_board, monkeypatch, t
     as_board(name)
     model = _llama_8b(tiny_llama)
     monkeypatch.setattr("flashnext.core.llm.load_model", lambda source: model)
-    args = ["run", "hi", "--backend", "jetson", "--model", "llama-3-8b"] + (["--precision", precision] if precision else [])
+    args = ["run", "hi", "--backend", "jetson", "--model", "llama-3-8b"]
+    args += ["--precision", precision] if precision else []
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     lines = [x for x in result.stderr.strip().splitlines() if not x.startswith("warning: jetson: ")]  # 15W on the NX
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "llama-3-8b: its weights need at least" in lines[0] and fix in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: llama-3-8b: its weights need at least") and fix in lines[0]
     assert "fp8" not in lines[0]  # not offered on an Orin
     assert ("as bf16" if precision else "as int4") in lines[0]
 

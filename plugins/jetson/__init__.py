@@ -103,7 +103,8 @@ class JetsonBackend(CudaBackend):
                   "fp8": self._fp8_capable() or f"no: compute capability {major}.{minor} has no FP8 tensor cores"}
         if not self._fp8_capable():  # what `flashnext backends` lists for this board
             self.precisions = tuple(p for p in CudaBackend.precisions if p not in FP8_MAX)
-        where = f"{board.name} (L4T {board.l4t or '?'}, JetPack {board.jetpack or '?'}; compute capability {major}.{minor})"
+        where = (f"{board.name} (L4T {board.l4t or '?'}, JetPack {board.jetpack or '?'}; "
+                 f"compute capability {major}.{minor})")
         if not props.is_integrated:
             if not discrete_allowed():
                 return Probe(False, 0.0, f"{props.name} is a discrete GPU; set FLASHNEXT_JETSON_ALLOW_DISCRETE=1 to "
@@ -118,8 +119,8 @@ class JetsonBackend(CudaBackend):
         eager = Profile(name="eager", cuda_graphs=False, chunked_prefill=True, prefix_caching=True, spec="ngram",
                         max_num_seqs=16, max_num_batched_tokens=512, spec_max_batch=4, memory_utilization=1.0,
                         memory_fraction=0.75)
-        # full: decode graphs as on discrete GPUs; vLLM users on Orin report 1-3 GiB more memory for them
-        # (their reports in vLLM's and jetson-containers' issue trackers), so the budget leaves a larger share outside the KV cache.
+        # full: decode graphs as on discrete GPUs. vLLM users on Orin report 1-3 GiB more memory with them (in vLLM's
+        # and jetson-containers' issue trackers), so the KV cache leaves a share of the budget to the graph pool.
         full = eager.overridden(name="full", cuda_graphs=True, graph_batch_sizes=[1, 2, 4, 8, 16],
                                 memory_utilization=0.85)
         return {"eager": eager, "basic": eager.basic(), "full": full}
@@ -163,8 +164,8 @@ class JetsonBackend(CudaBackend):
         if self._warned:
             return
         self._warned = True
-        root = self.board.root
-        for line in power.warnings(power.read_power_mode(root, self.run), power.read_thermal_zones(root)):
+        mode, _clock, zones = self._readings()
+        for line in power.warnings(mode, zones):
             print(f"warning: jetson: {line}", file=sys.stderr)
 
     def free_memory_bytes(self) -> int:
@@ -186,32 +187,30 @@ class JetsonBackend(CudaBackend):
         return self._telemetry[1]
 
     def _read_telemetry(self) -> dict:
-        root = self.board.root
+        mode, clock, zones = self._readings()
         out: dict = {}
-        zones = power.read_thermal_zones(root)
         if zones:
             out["temperature_celsius"] = {z.name: z.celsius for z in zones}
-        mode = power.read_power_mode(root, self.run)
         if mode is not None:
             out["power_mode"] = mode.name
-        clock = power.read_gpu_clock(root)
         if clock is not None and clock.cur_mhz is not None:
             out["gpu_clock_mhz"] = clock.cur_mhz
         if clock is not None and clock.load_ratio is not None:
             out["gpu_load_ratio"] = clock.load_ratio
         return out
 
-    def _power_facts(self) -> dict:
+    def _readings(self) -> tuple[power.PowerMode | None, power.GpuClock | None, list[power.ThermalZone]]:
         root = self.board.root
-        mode = power.read_power_mode(root, self.run)
-        clock = power.read_gpu_clock(root)
-        zones = power.read_thermal_zones(root)
+        return power.read_power_mode(root, self.run), power.read_gpu_clock(root), power.read_thermal_zones(root)
+
+    def _power_facts(self) -> dict:
+        mode, clock, zones = self._readings()
         facts: dict = {"power_mode": f"{mode.name} (id {mode.id})" if mode else "unknown: nvpmodel -q gave nothing"}
         if clock is not None:
             facts["gpu_clock"] = {"node": clock.node, "cur_mhz": clock.cur_mhz, "max_mhz": clock.max_mhz,
                                   "load_ratio": clock.load_ratio}
         else:
-            facts["gpu_clock"] = f"unknown: no {root}/sys/class/devfreq entry for the GPU"
+            facts["gpu_clock"] = f"unknown: no {self.board.root}/sys/class/devfreq entry for the GPU"
         facts["temperature_celsius"] = {z.name: z.celsius for z in zones} or "unknown: no readable thermal zone"
         facts["warnings"] = power.warnings(mode, zones)
         return facts
@@ -219,11 +218,10 @@ class JetsonBackend(CudaBackend):
     def _memory_facts(self) -> dict:
         fraction = self.profiles()[self.default_profile].overridden(**env_overrides()).memory_fraction
         memory = psutil.virtual_memory()
-        budget = UnifiedMemory(memory.available, fraction).budget
-        return {"profiles": PROFILE_NOTES, "memory_total_gib": round(memory.total / GIB, 2), "memory_available_gib": round(memory.available / GIB, 2),
-                "memory_fraction": fraction, "memory_budget_gib": round(budget / GIB, 2),
+        return {"profiles": PROFILE_NOTES, "memory_total_gib": round(memory.total / GIB, 2),
+                "memory_available_gib": round(memory.available / GIB, 2), "memory_fraction": fraction,
+                "memory_budget_gib": round(UnifiedMemory(memory.available, fraction).budget / GIB, 2),
                 "memory_budget": "weights + KV cache + activations, from available system memory (unified)"}
-
 
 @hookimpl
 def register_backends(register):

@@ -10,7 +10,9 @@ from pathlib import Path
 from .board import read_text
 
 GPU_NODE_NAMES = ("ga10b", "gv11b", "gp10b")  # devfreq of_node names of the nvgpu-driven GPUs: Orin is ga10b
-THOR_GPU_ENTRY = "gpu-gpc-0"  # Thor's GPU (nvidia.ko, no device-tree node): its GPC clock domain, as jetson-stats reads it
+# Thor's GPU runs on nvidia.ko, without a device-tree node: its devfreq entry is the GPC clock domain, which
+# jetson-stats reads.
+THOR_GPU_ENTRY = "gpu-gpc-0"
 THERMAL_MARGIN_C = 10.0  # closer than this to a trip point, the board is about to throttle
 THROTTLING_TRIPS = ("passive", "hot", "critical")  # "active" trips only start a fan
 
@@ -33,8 +35,8 @@ class PowerMode:
 
     @property
     def is_maximum(self) -> bool:
-        # MAXN (MAXN_SUPER on JetPack 6.2) is the unconstrained mode; Orin Nano on JetPack 5 has none, and mode 0
-        # (15W) is its highest. Mode 0 is the highest default mode on every Orin configuration file.
+        # MAXN (MAXN_SUPER on JetPack 6.2) is the unconstrained mode. Orin Nano before JetPack 6.2 has none: its
+        # mode 0 (15W) is its highest. On 6.2 that 15W mode 0 passes too, though MAXN_SUPER is faster.
         return "MAXN" in self.name.upper() or self.id == 0
 
 
