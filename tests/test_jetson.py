@@ -371,6 +371,8 @@ class JetsonOnCpu(JetsonBackend):
 
 
 @pytest.mark.slow  # the Triton interpreter: tens of seconds on a 2-core machine
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels interpreted on CPU tensors; a GPU runs them "
+                                                      "through `flashnext conformance --backend jetson`")
 def test_eager_profile_generates_what_plain_greedy_decoding_does(tiny_random, monkeypatch):
     """eager runs the CUDA plugin's runner without graphs, with chunked prefill and n-gram drafts verified eagerly:
     greedy tokens equal the plain profile's; its KV cache is sized from the unified budget."""
