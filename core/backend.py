@@ -60,7 +60,7 @@ class Backend:
 
     def device_telemetry(self) -> dict:
         """What the device reports now, for /health and /metrics; any subset of: temperature_celsius {zone: float},
-        memory_clock_mhz, memory_clock_max_mhz (floats), power_mode (str). Empty where nothing can be read. Other
+        memory_clock_mhz, memory_clock_max_mhz, gpu_clock_mhz, gpu_load_ratio (floats), power_mode (str). Empty where nothing can be read. Other
         keys a backend adds appear in /health only."""
         return {}
 

@@ -55,7 +55,9 @@ def device_metrics(telemetry: dict):
             temps.add_metric([zone], celsius)
         yield temps
     for key, doc in (("memory_clock_mhz", "Device memory clock now"),
-                     ("memory_clock_max_mhz", "Highest device memory clock")):
+                     ("memory_clock_max_mhz", "Highest device memory clock"),
+                     ("gpu_clock_mhz", "Device compute clock now"),
+                     ("gpu_load_ratio", "Device compute load, 0 to 1")):
         if telemetry.get(key) is not None:
             yield GaugeMetricFamily(f"flashnext_device_{key}", doc, value=telemetry[key])
     if telemetry.get("power_mode") is not None:  # exposed as flashnext_device_power_mode_info{mode} 1

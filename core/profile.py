@@ -33,6 +33,9 @@ class Profile(BaseModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     kv_cache_dtype: KvCacheDtype = "auto"
     memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)  # fraction of free device memory for KV
+    # Where the accelerator shares the host's memory (backends that say so): the share of the memory available at
+    # start that weights, KV cache and activations may take together.
+    memory_fraction: float = Field(default=0.75, gt=0.0, le=1.0)
     kv_cache_max_gib: float | None = Field(default=None, gt=0)  # hard cap, useful on shared hosts and in tests
     # Keep the LM head quantized too: in the weight precision, fp8 for int4 weights (Precision.head; where the
     # backend can: CUDA fp8-e4m3, and int4 with fp8 tensor cores). Faster small-batch decode, worse text: on
