@@ -1,6 +1,7 @@
 """`flashnext serve`: load the model, then serve the OpenAI-compatible API with uvicorn (docs/serving.md)."""
 
 import contextlib
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -25,13 +26,17 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(
         envvar="FLASHNEXT_API_KEY", help="Require 'Authorization: Bearer KEY' (all but /health).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning, info, debug.")] = "info",
+    max_body_mib: Annotated[float, typer.Option(min=0.001, envvar="FLASHNEXT_MAX_BODY_MIB",
+                                                help="Largest request body (MiB); larger ones get 413.")] = 8.0,
 ):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     import uvicorn
 
     from .llm import LLM
-    from .server import create_app
+    from .server import UVICORN_LIMITS, create_app
 
+    if api_key is None:  # the option ignores an empty variable: read it here, so that an empty key is refused
+        api_key = os.environ.get("FLASHNEXT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key / FLASHNEXT_API_KEY is empty: give a key or leave it unset")
     if host not in LOOPBACK and api_key is None:
@@ -42,6 +47,6 @@ def serve(
                   max_model_len=max_model_len)
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name})"
           f" on http://{host}:{port}", file=sys.stderr)
-    app = create_app(llm, api_key=api_key, max_queue=max_queue)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body_mib=max_body_mib)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, **UVICORN_LIMITS)
 
