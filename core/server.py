@@ -161,11 +161,16 @@ def _decode(raw: bytes, model: type[BaseModel]):
         raise ApiError(400, "the request body is nested too deeply") from None
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
+        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
         got = f" (got {_short(err['input'])})" if "input" in err and param else ""
         if param == "n":
             raise ApiError(400, f"n must be 1: this server returns one choice per request{got}", param="n") from None
         raise ApiError(400, f"{param or 'body'}: {err['msg']}{got}", param=param or None) from None
+
+
+def _union_tag(loc_item) -> bool:
+    """pydantic names the member of a union it tried ("str", "list[int]") in an error's location: not a field."""
+    return isinstance(loc_item, str) and (loc_item in ("str", "int", "float", "bool") or "[" in loc_item)
 
 
 def _short(value, limit: int = 120) -> str:
