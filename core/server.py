@@ -227,7 +227,7 @@ class Server:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"model '{name}' is not served here; this server serves '{self.model_name}'",
+            raise ApiError(404, f"model {_short(name)} is not served here; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
     def request_profile(self, request: Request) -> bool:

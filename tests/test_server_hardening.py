@@ -19,6 +19,7 @@ from fixtures import write_tiny_hf_model
 from flashnext.core import server as server_module
 from flashnext.core.async_engine import AsyncEngine
 from flashnext.core.cli import app as cli_app
+from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 from flashnext.core.metrics import ServerMetrics
 from test_server import _wait, assert_error, metric, running
@@ -75,6 +76,28 @@ def test_step_exception_fails_only_its_request(client, llm, monkeypatch):
     assert client.get("/health").json()["status"] == "ok"
     assert metric(client, "flashnext_requests_total", status="error") == errors_before + 1
     _wait(lambda: _all_free(client), "blocks freed after the failed request", timeout=5)
+
+
+def test_engine_step_isolates_the_failing_request(tmp_path):
+    """The engine itself: a batch of three with one poisoned request finishes that one with "error" and its blocks
+    freed; the other two get the tokens they would have got without it. Without isolate_failures it raises."""
+    llm = LLM(str(write_tiny_hf_model(tmp_path)), backend="cpu", kv_cache_max_gib=0.01)
+    engine, run = llm.engine, llm.engine.runner.run
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    solo = [s.output_ids for s in engine.generate([[3, 4, 5], [6, 7]], params)]
+    engine.runner.run = lambda batch: (_ for _ in ()).throw(IndexError("bad id")) if any(
+        i.seq.prompt_ids[0] == POISON for i in batch) else run(batch)
+    seqs = [engine.add_request(p, params) for p in ([3, 4, 5], [POISON, 1], [6, 7])]
+    outputs = engine.step(isolate_failures=True)
+    assert [(o.seq is seqs[1], o.finished, o.error) for o in outputs if o.error] == [(True, True, "IndexError: bad id")]
+    assert seqs[1].finish_reason == "error" and not seqs[1].block_table
+    while engine.has_work():
+        engine.step(isolate_failures=True)
+    assert [seqs[0].output_ids, seqs[2].output_ids] == solo
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    engine.add_request([POISON, 2], params)
+    with pytest.raises(IndexError):
+        engine.step()
 
 
 def test_streamed_request_failure_is_an_error_event(client, llm, monkeypatch):
