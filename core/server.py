@@ -262,15 +262,15 @@ class Server:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        """Every id in the model's vocabulary (a tokenizer may know more ids than the model), and room to generate."""
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {self.vocab_size})",
-                           param=param)
+        """Room to generate, and every id in the model's vocabulary (a tokenizer may know more ids than the model)."""
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten it",
                            param=param, code="context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {self.vocab_size})",
+                           param=param)
 
     def check_limits(self, req: "_Sampling", max_tokens: int | None, max_tokens_field: str) -> None:
         """Bounds that depend on the model: the engine never sees a value it cannot hold."""
