@@ -130,18 +130,20 @@ class AsyncEngine:
             return
         if self.status == "starting":
             self.status = "ok"
-        while self._serve_commands(block=not self.engine.has_work()):
-            if self.engine.has_work():
-                try:
+        while True:
+            try:
+                if not self._serve_commands(block=not self.engine.has_work()):
+                    break
+                if self.engine.has_work():
                     self._deliver(self.engine.step(isolate_failures=True))
-                except Exception as exc:  # outside any one request: fail those running, serve the next ones
-                    log.exception("an engine step failed")
-                    try:
-                        self._abort_all(f"the engine failed ({type(exc).__name__}: {exc}); see the server log",
-                                        RequestFailed)
-                    except Exception as abort_exc:
-                        self._give_up(abort_exc)
-                        return
+            except Exception as exc:  # outside any one request: fail those running, serve the next ones
+                log.exception("an engine step failed")
+                try:
+                    self._abort_all(f"the engine failed ({type(exc).__name__}: {exc}); see the server log",
+                                    RequestFailed)
+                except Exception as abort_exc:
+                    self._give_up(abort_exc)
+                    return
         self._abort_all("the server is shutting down")
 
     def _give_up(self, exc: Exception) -> None:
