@@ -224,7 +224,10 @@ def test_a_stalled_body_times_out_with_408(llm, monkeypatch):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 100\r\n\r\n{\"prompt\":")
-            reply = s.recv(65536).decode()
+            reply = b""
+            while chunk := s.recv(65536):  # the server closes the connection after its answer
+                reply += chunk
+            reply = reply.decode()
         assert reply.startswith("HTTP/1.1 408")
         assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
