@@ -253,6 +253,7 @@ def main_soak(args):
     result = {"machine": machine_name(torch.device("cpu" if args.backend == "cpu" else "cuda")),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": result["health"]["backend"],
               "model": result["health"]["model"], "round_size": args.round_size, "concurrency": args.concurrency,
+              "env": {k: v for k, v in os.environ.items() if k.startswith("FLASHNEXT_") and k != "FLASHNEXT_API_KEY"},
               **result, "flashnext": version("flashnext")}
     print(f"growth after warm-up: {result['growth_after_warm_up']:+.1%} (peak {result['peak_growth_after_warm_up']:+.1%},"
           f" allowed {args.max_growth:.0%}); blocks free at the end: {result['blocks_free_at_end']}/{result['kv_blocks']}")
