@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
