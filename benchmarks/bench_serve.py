@@ -7,6 +7,14 @@ benchmarks/bench_engine.py on the same shape for the cost of the HTTP layer.
 
     python benchmarks/bench_serve.py --backend cpu --num-requests 64 --concurrency 16 --json out.json
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000      # a server that is already running
+    python benchmarks/bench_serve.py --backend cpu --soak --json soak.json  # resident memory, round by round
+
+`--soak` starts its own server and sends rounds of --round-size mixed requests (completions and chat, streamed and
+not, stop strings, one client in ten hanging up mid-stream), reading the server's resident memory after each round.
+The KV cache is allocated up front but its pages become resident only when a block is first written, and the
+free list hands blocks out oldest-first (prefix-cache eviction order), so the first rounds touch more and more of it:
+warm-up lasts until the rounds have cycled through every KV block once, plus one round. After warm-up, resident
+memory must grow by at most --max-growth over --rounds rounds (exit 1 otherwise).
 """
 
 import argparse
@@ -42,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--gen-len", default="16,128", help="MIN,MAX generated tokens (uniform)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path")
+    p.add_argument("--soak", action="store_true", help="resident memory per round of requests (see above)")
+    p.add_argument("--round-size", type=int, default=200, help="--soak: requests a round")
+    p.add_argument("--rounds", type=int, default=10, help="--soak: rounds measured after warm-up")
+    p.add_argument("--max-growth", type=float, default=0.05, help="--soak: allowed growth after warm-up")
     return p.parse_args(argv)
 
 
@@ -119,8 +131,92 @@ def summarize(results: list[dict], elapsed: float) -> dict:
             "ttft_ms": pct(ttft), "itl_ms": pct(gaps)}
 
 
+def resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
+async def soak_request(client, model: str, rng: random.Random, i: int) -> int:
+    """One mixed request; returns the KV blocks' worth of tokens it asked for (prompt + output)."""
+    gen = rng.randint(1, 4)
+    hangup, stream = i % 10 == 9, i % 3 != 0
+    if i % 2:
+        prompt = [rng.randrange(256) for _ in range(rng.randint(8, 64))]
+        call = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0.7, seed=i,
+                                         stop=["\n\n"], stream=stream or hangup, extra_body={"ignore_eos": True})
+        size = len(prompt)
+    else:
+        text = f"Request {i}: " + " ".join(str(rng.randrange(10**6)) for _ in range(rng.randint(2, 24)))
+        call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                              max_tokens=gen, temperature=0, stream=stream or hangup)
+        size = 30 + len(text) // 2  # the template's tokens plus about one token per two characters
+    reply = await call
+    if stream or hangup:
+        async for _ in reply:
+            if hangup:
+                break
+        await reply.close()
+    return size + gen
+
+
+async def soak_round(url: str, args, round_index: int, concurrency: int) -> int:
+    rng = random.Random(args.seed * 1_000_003 + round_index)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"),
+                                max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(i):
+        async with gate:
+            return await soak_request(client, model, rng, round_index * args.round_size + i)
+
+    sizes = await asyncio.gather(*(limited(i) for i in range(args.round_size)))
+    await client.close()
+    return sum(sizes)
+
+
+def soak(args, proc: subprocess.Popen, url: str) -> dict:
+    health = httpx.get(f"{url}/health").json()
+    blocks, block_size = health["kv_cache"]["blocks_total"], health["kv_cache"]["block_size"]
+    rows, tokens, warm_rounds = [], 0, None
+    start_mib = resident_mib(proc.pid)
+    table = Table("round", "phase", "s", "KV cycled", "RSS MiB", "vs first measured",
+                  title=f"flashnext serve soak: {args.round_size} requests a round")
+    console = Console()
+    round_index = 0
+    while warm_rounds is None or round_index < warm_rounds + args.rounds:
+        t0 = time.perf_counter()
+        tokens += asyncio.run(soak_round(url, args, round_index, args.concurrency))
+        cycled = tokens / (blocks * block_size)
+        rss = resident_mib(proc.pid)
+        if warm_rounds is None and cycled >= 1.0:
+            warm_rounds = round_index + 2  # every block touched once, then one more round
+        phase = "warm-up" if warm_rounds is None or round_index < warm_rounds else "measured"
+        rows.append({"round": round_index, "phase": phase, "seconds": round(time.perf_counter() - t0, 2),
+                     "kv_cycled": round(cycled, 3), "rss_mib": round(rss, 1)})
+        round_index += 1
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    measured = [r for r in rows if r["phase"] == "measured"]
+    first = measured[0]["rss_mib"]
+    for r in rows:
+        growth = f"{(r['rss_mib'] / first - 1) * 100:+.1f}%" if r["phase"] == "measured" else ""
+        table.add_row(str(r["round"]), r["phase"], str(r["seconds"]), f"{r['kv_cycled']:.0%}", f"{r['rss_mib']:.0f}",
+                      growth)
+    console.print(table)
+    growth = measured[-1]["rss_mib"] / first - 1
+    peak_growth = max(r["rss_mib"] for r in measured) / first - 1
+    final = httpx.get(f"{url}/health").json()
+    return {"start_rss_mib": round(start_mib, 1), "rounds": rows, "kv_blocks": blocks, "block_size": block_size,
+            "growth_after_warm_up": round(growth, 4), "peak_growth_after_warm_up": round(peak_growth, 4),
+            "max_growth": args.max_growth, "passed": growth <= args.max_growth and peak_growth <= args.max_growth,
+            "blocks_free_at_end": final["kv_cache"]["blocks_free"], "health": final}
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.soak:
+        return main_soak(args)
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         health = httpx.get(f"{url}/health").json()
@@ -144,6 +240,28 @@ def main(argv=None):
         with open(args.json_path, "w") as f:
             json.dump([row], f, indent=2)
 
+
+def main_soak(args):
+    if args.url:
+        raise SystemExit("--soak starts its own server (it reads that process's resident memory); drop --url")
+    proc, url = start_server(args)
+    try:
+        result = soak(args, proc, url)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    result = {"machine": machine_name(torch.device("cpu" if args.backend == "cpu" else "cuda")),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": result["health"]["backend"],
+              "model": result["health"]["model"], "round_size": args.round_size, "concurrency": args.concurrency,
+              "env": {k: v for k, v in os.environ.items() if k.startswith("FLASHNEXT_") and k != "FLASHNEXT_API_KEY"},
+              **result, "flashnext": version("flashnext")}
+    print(f"growth after warm-up: {result['growth_after_warm_up']:+.1%} (peak {result['peak_growth_after_warm_up']:+.1%},"
+          f" allowed {args.max_growth:.0%}); blocks free at the end: {result['blocks_free_at_end']}/{result['kv_blocks']}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    if not result["passed"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ class Overloaded(FlashnextError):
     """Every running slot and the waiting queue are taken (HTTP 429)."""
 
 
+class RequestFailed(FlashnextError):
+    """The engine raised while running this request; the request ends, the server goes on (HTTP 500)."""
+
+
 class RequestStream:
     """One request's tokens as they come: `async for new_ids, finish_reason in stream`.
 
@@ -121,19 +125,34 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._warm_up()
-            if self.status == "starting":
-                self.status = "ok"
-            while self._serve_commands(block=not self.engine.has_work()):
-                if self.engine.has_work():
-                    self._deliver(self.engine.step())
-        except Exception as exc:  # a broken engine fails its requests instead of hanging them
-            log.exception("the engine loop failed")
-            self.status = "error"
-            for stream in self.live.values():
-                stream.put(NotReady(f"the engine failed ({exc!r}); see the server log"))
-            self.live.clear()
+        except Exception as exc:  # an engine that cannot run one request serves none
+            self._give_up(exc)
             return
+        if self.status == "starting":
+            self.status = "ok"
+        while True:
+            try:
+                if not self._serve_commands(block=not self.engine.has_work()):
+                    break
+                if self.engine.has_work():
+                    self._deliver(self.engine.step(isolate_failures=True))
+            except Exception as exc:  # outside any one request: fail those running, serve the next ones
+                log.exception("an engine step failed")
+                try:
+                    self._abort_all(f"the engine failed ({type(exc).__name__}: {exc}); see the server log",
+                                    RequestFailed)
+                except Exception as abort_exc:
+                    self._give_up(abort_exc)
+                    return
         self._abort_all("the server is shutting down")
+
+    def _give_up(self, exc: Exception) -> None:
+        """The engine's own state is broken: fail what is running and refuse new requests (503) until restart."""
+        log.exception("the engine loop failed", exc_info=exc)
+        self.status = "error"
+        for stream in self.live.values():
+            stream.put(NotReady(f"the engine failed ({exc!r}); see the server log"))
+        self.live.clear()
 
     def _warm_up(self) -> None:
         """One short generation before /health says ok: first-call allocations, kernel choices, graph capture."""
@@ -163,6 +182,10 @@ class AsyncEngine:
             except FlashnextError as exc:
                 stream.put(exc)
                 return
+            except Exception as exc:
+                log.exception("the engine refused a request")
+                stream.put(RequestFailed(f"the engine could not take this request ({type(exc).__name__}: {exc})"))
+                return
             stream.seq = seq
             self.live[id(seq)] = stream
             self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
@@ -181,7 +204,10 @@ class AsyncEngine:
             reason = out.seq.finish_reason if out.finished else None
             if out.finished:
                 del self.live[id(out.seq)]
-            if out.new_token_ids or reason:
+            if out.error:
+                log.error("request %s failed in an engine step: %s", stream.request_id, out.error)
+                stream.put(RequestFailed(f"the engine failed on this request ({out.error}); the server goes on"))
+            elif out.new_token_ids or reason:
                 stream.put((out.new_token_ids, reason))
 
     def _observe_latency(self, stream: RequestStream, num_tokens: int, now: float) -> None:
@@ -193,8 +219,8 @@ class AsyncEngine:
                 self.metrics.itl.observe(gap)
         stream.last_token_at = now
 
-    def _abort_all(self, message: str) -> None:
-        for stream in self.live.values():
+    def _abort_all(self, message: str, error: type[FlashnextError] = NotReady) -> None:
+        for stream in list(self.live.values()):
             self.engine.abort(stream.seq)
-            stream.put(NotReady(message))
+            stream.put(error(message))
         self.live.clear()

@@ -3,6 +3,7 @@
 Every log line, uvicorn's access log included, goes to stderr: stdout stays free for what a command prints."""
 
 import copy
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -34,6 +35,8 @@ def serve(
     access_log: Annotated[bool, typer.Option(help="Log every request (on stderr).")] = True,
     log_config: Annotated[Optional[Path], typer.Option(
         help="A logging config file for uvicorn (.json, .yaml or .ini) instead of the stderr default.")] = None,
+    max_body_mib: Annotated[float, typer.Option(min=0.001, envvar="FLASHNEXT_MAX_BODY_MIB",
+                                                help="Largest request body (MiB); larger ones get 413.")] = 8.0,
 ):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
@@ -42,8 +45,10 @@ def serve(
 
     from . import progress
     from .llm import LLM
-    from .server import create_app
+    from .server import UVICORN_LIMITS, create_app
 
+    if api_key is None:  # the option ignores an empty variable: read it here, so that an empty key is refused
+        api_key = os.environ.get("FLASHNEXT_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key / FLASHNEXT_API_KEY is empty: give a key or leave it unset")
     if log_config is not None and not log_config.is_file():
@@ -57,9 +62,9 @@ def serve(
     print(f"serving {llm.info.model} ({llm.info.backend} · {llm.engine.precision.name} · {llm.profile.name} · "
           f"{threads_text(llm.threads.threads)}) on http://{host}:{port}; load {llm.info.load_s:.1f} s, "
           f"warm-up {llm.warm_up_s:.1f} s", file=sys.stderr)
-    app = create_app(llm, api_key=api_key, max_queue=max_queue)
+    app = create_app(llm, api_key=api_key, max_queue=max_queue, max_body_mib=max_body_mib)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-                log_config=str(log_config) if log_config else stderr_log_config())
+                log_config=str(log_config) if log_config else stderr_log_config(), **UVICORN_LIMITS)
 
 
 def stderr_log_config() -> dict:

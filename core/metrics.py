@@ -40,6 +40,10 @@ class EngineCollector:
         for position, count in enumerate(spec["accepted_per_position"]):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+        yield GaugeMetricFamily("flashnext_requests_running", "Requests in the running batch",
+                                value=len(scheduler.running))
+        yield GaugeMetricFamily("flashnext_requests_waiting", "Requests queued for a running slot",
+                                value=len(scheduler.waiting))
         used = blocks.num_blocks - blocks.num_free
         yield GaugeMetricFamily("flashnext_kv_cache_usage_ratio", "Fraction of KV blocks held by requests",
                                 value=used / blocks.num_blocks)

@@ -1,13 +1,15 @@
 """`flashnext serve`: an OpenAI-compatible HTTP API over the engine (routes and names: docs/cli.md).
 
 POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models, GET /health, GET /metrics.
-Errors are OpenAI's error object: {"error": {"message", "type", "param", "code"}}.
+Errors are OpenAI's error object: {"error": {"message", "type", "param", "code"}}, for every failure: a bad body,
+a body too large (413), a request the engine failed (500), an unexpected exception (500).
 """
 
 import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,13 +20,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, NotReady, Overloaded, RequestStream
+from .async_engine import AsyncEngine, NotReady, Overloaded, RequestFailed, RequestStream
 from .engine.sequence import SamplingParams
 from .errors import FlashnextError, UserError
 from .metrics import ServerMetrics
 
+log = logging.getLogger("flashnext.serve")
+
 PROFILE_HEADER = "X-Flashnext-Profile"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MIB = 1 << 20
+INT64 = 1 << 63
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+MAX_STOP_TOKEN_IDS = 256
+# Request body bytes may arrive this far apart at most: a client that stops sending mid-body is cut off.
+BODY_READ_TIMEOUT_S = 30.0
+# uvicorn settings for `flashnext serve`: idle keep-alive connections close, header blocks are bounded, and
+# connections beyond the limit get 503 at once rather than piling up.
+UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 * 1024, "limit_concurrency": 2048}
 
 
 class ApiError(Exception):
@@ -47,17 +60,17 @@ class _Sampling(BaseModel):
     """Fields both endpoints share. None means the OpenAI default; unknown fields are ignored, as OpenAI does."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT64)  # and at most the context: Server.check_limits
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)  # extension (vLLM's name)
+    top_k: int | None = Field(default=None, ge=0, lt=INT64)  # extension (vLLM's name); at most the vocabulary
     n: int | None = Field(default=None, ge=1, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
 
 
 class CompletionRequest(_Sampling):
@@ -81,7 +94,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT64)
 
 
 # OpenAI fields this server does not implement: accepted only at their "off" values, refused otherwise.
@@ -99,35 +112,105 @@ UNSUPPORTED = {
 }
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes whether or not Content-Length says so; 408 when it stalls."""
+    too_large = ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-body-mib);"
+                              " send a smaller request", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size, stream = [], 0, request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), BODY_READ_TIMEOUT_S)
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except TimeoutError:
+            raise ApiError(408, f"the request body stopped arriving for {BODY_READ_TIMEOUT_S:.0f} s",
+                           code="request_timeout") from None
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _decode(raw: bytes, model: type[BaseModel]):
+    """Body bytes → validated request; every failure is an ApiError(400) naming the field."""
     try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ApiError(400, f"the request body is not valid JSON: {_short(exc)}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
             raise ApiError(400, f"'{name}' is not supported by this server; leave it out", param=name,
                            code="unsupported_parameter")
+    if bad := _lone_surrogate(body):
+        raise ApiError(400, f"{bad}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape);"
+                            " send valid Unicode", param=bad)
     try:
         return model.model_validate(body)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        got = f" (got {err['input']!r})" if "input" in err and param else ""
+        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
+        got = f" (got {_short(err['input'])})" if "input" in err and param else ""
         if param == "n":
             raise ApiError(400, f"n must be 1: this server returns one choice per request{got}", param="n") from None
         raise ApiError(400, f"{param or 'body'}: {err['msg']}{got}", param=param or None) from None
+
+
+def _union_tag(loc_item) -> bool:
+    """pydantic names the member of a union it tried ("str", "list[int]") in an error's location: not a field."""
+    return isinstance(loc_item, str) and (loc_item in ("str", "int", "float", "bool") or "[" in loc_item)
+
+
+def _short(value, limit: int = 120) -> str:
+    """A value for an error message, cut short: a message never echoes a megabyte of prompt back."""
+    text = str(value) if isinstance(value, Exception) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The path of the first string holding a surrogate code point (only a bad escape makes one), else None."""
+    todo: list[tuple[str, object]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            todo += ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+            todo += ((path, k) for k in value)
+        elif isinstance(value, list) and value and not isinstance(value[0], int):
+            todo += ((f"{path}.{i}", v) for i, v in enumerate(value))
+    return None
+
+
+async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int):
+    raw = await _read_body(request, max_body_bytes)
+    return await asyncio.to_thread(_decode, raw, model)  # a large body parses off the event loop
 
 
 # -- the app -------------------------------------------------------------------------------------------------
 class Server:
     """Request handling over one loaded LLM; `create_app` wires it into FastAPI."""
 
-    def __init__(self, llm, api_key: str | None = None, max_queue: int = 256):
+    def __init__(self, llm, api_key: str | None = None, max_queue: int = 256, max_body_mib: float = 8.0):
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self.api_key = api_key
+        self.max_body_bytes = int(max_body_mib * MIB)
+        self.vocab_size = llm.engine.config.vocab_size
         self.model_name = llm.info.model
         self.created = int(time.time())
         self.metrics = ServerMetrics(llm.engine)
@@ -137,14 +220,14 @@ class Server:
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"model '{name}' is not served here; this server serves '{self.model_name}'",
+            raise ApiError(404, f"model {_short(name)} is not served here; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
     def request_profile(self, request: Request) -> bool:
@@ -166,10 +249,6 @@ class Server:
             return self.tokenizer.encode(prompt)
         if not prompt:
             raise ApiError(400, "the prompt is empty: give some token ids", param="prompt")
-        vocab = self.engine.config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         return list(prompt)
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
@@ -182,11 +261,30 @@ class Server:
             raise ApiError(400, str(exc), param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def check_length(self, ids: list[int], param: str) -> None:
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        """Room to generate, and every id in the model's vocabulary (a tokenizer may know more ids than the model)."""
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten it",
                            param=param, code="context_length_exceeded")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {self.vocab_size})",
+                           param=param)
+
+    def check_limits(self, req: "_Sampling", max_tokens: int | None, max_tokens_field: str) -> None:
+        """Bounds that depend on the model: the engine never sees a value it cannot hold."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            raise ApiError(400, f"{max_tokens_field} is {max_tokens} but the context holds {limit} tokens; ask for"
+                                f" fewer", param=max_tokens_field)
+        if req.top_k is not None and req.top_k > self.vocab_size:
+            raise ApiError(400, f"top_k is {req.top_k} but the vocabulary has {self.vocab_size} tokens; give at most"
+                                f" {self.vocab_size} (0 turns top-k off)", param="top_k")
+        bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
 
     def sampling(self, req: _Sampling, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -211,12 +309,13 @@ class Server:
 
     # -- endpoints
     async def completions(self, request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, self.max_body_bytes)
         self.check_model(req.model)
-        ids = self.prompt_ids(req.prompt)
-        self.check_length(ids, "prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        self.check_limits(req, max_tokens, "max_tokens")
         stops, rid = _stops(req.stop), f"cmpl-{uuid.uuid4().hex}"
+        ids = await asyncio.to_thread(self.prompt_ids, req.prompt)  # tokenizing a long prompt takes a while
+        self.check_prompt(ids, "prompt")
         gen = Generation(self.submit(request, ids, self.sampling(req, max_tokens), rid), self.tokenizer, stops)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -233,12 +332,14 @@ class Server:
             yield {**head, "choices": [], "usage": gen.usage()}
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await _parse(request, ChatRequest)
+        req = await _parse(request, ChatRequest, self.max_body_bytes)
         self.check_model(req.model)
-        ids = self.chat_ids(req.messages)
-        self.check_length(ids, "messages")
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.engine.max_model_len - len(ids)
+        asked = req.max_completion_tokens or req.max_tokens
+        self.check_limits(req, asked, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         stops, rid = _stops(req.stop), f"chatcmpl-{uuid.uuid4().hex}"
+        ids = await asyncio.to_thread(self.chat_ids, req.messages)  # template and tokenizer off the event loop
+        self.check_prompt(ids, "messages")
+        max_tokens = asked or self.engine.max_model_len - len(ids)
         gen = Generation(self.submit(request, ids, self.sampling(req, max_tokens), rid), self.tokenizer, stops)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -345,6 +446,9 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
+                       param="stop")
     return stops
 
 
@@ -363,13 +467,24 @@ async def _collect(request: Request, gen: Generation) -> str:
     watcher = asyncio.create_task(cancel_on_disconnect())
     try:
         return "".join([piece async for piece, _ in gen.pieces()])
-    except UserError as exc:
-        raise ApiError(400, str(exc)) from None
     except FlashnextError as exc:
-        raise ApiError(503, str(exc), kind="server_unavailable") from None
+        raise _engine_error(exc) from None
     finally:
         watcher.cancel()
         gen.stream.cancel("abort")  # a no-op once finished
+
+
+def _engine_error(exc: Exception) -> ApiError:
+    """What an error from the engine side means to the client: its request was bad (400), the engine failed on it
+    (500: other requests go on), the server is not serving (503), or a bug (500)."""
+    if isinstance(exc, UserError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, str(exc), code="engine_error", kind="server_error")
+    if isinstance(exc, FlashnextError):
+        return ApiError(503, str(exc), kind="server_unavailable")
+    return ApiError(500, f"internal error ({type(exc).__name__}); see the server log", code="internal_error",
+                    kind="server_error")
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -377,10 +492,12 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-    except FlashnextError as exc:
-        kind = "invalid_request_error" if isinstance(exc, UserError) else "server_unavailable"
-        error = {"message": str(exc), "type": kind, "param": None, "code": None}
-        yield f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\n"
+    except Exception as exc:
+        if not isinstance(exc, FlashnextError):
+            log.exception("a streamed request failed")
+        error = _engine_error(exc)
+        body = {"message": error.message, "type": error.kind, "param": None, "code": error.code}
+        yield f"data: {json.dumps({'error': body}, ensure_ascii=False)}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -399,9 +516,9 @@ class EventStream(StreamingResponse):
             self.gen.stream.cancel("abort")
 
 
-def create_app(llm, api_key: str | None = None, max_queue: int = 256) -> FastAPI:
+def create_app(llm, api_key: str | None = None, max_queue: int = 256, max_body_mib: float = 8.0) -> FastAPI:
     """The ASGI app. The engine thread starts (and warms up) with the app's lifespan."""
-    server = Server(llm, api_key, max_queue)
+    server = Server(llm, api_key, max_queue, max_body_mib)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -419,6 +536,10 @@ def create_app(llm, api_key: str | None = None, max_queue: int = 256) -> FastAPI
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # Starlette logs the traceback
+        return _engine_error(exc).response()
 
     @app.get("/health")
     async def health():

@@ -25,6 +25,7 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    error: str | None = None  # why the step failed this request (its finish_reason is then "error")
 
 
 class LLMEngine:
@@ -155,14 +156,46 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[StepOutput]:
+    def step(self, isolate_failures: bool = False) -> list[StepOutput]:
+        """One scheduled batch. With isolate_failures (the server), an exception fails requests instead of the
+        loop: a model run that raises is retried one request at a time, so only a request that fails on its own is
+        finished (reason "error", blocks freed); a failure after the tokens were taken fails the whole batch."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        starts = [item.seq.num_computed for item in batch]
+        if not isolate_failures:
+            return self._finish_step(batch, self._run_model(batch))
+        try:
+            sampled = self._run_model(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                return [self._fail(batch[0].seq, exc)]
+            return [out for item in batch for out in self._step_alone(item)]
+        try:
+            return self._finish_step(batch, sampled)
+        except Exception as exc:
+            return [self._fail(item.seq, exc) for item in batch]
+
+    def _step_alone(self, item: ScheduledSeq) -> list[StepOutput]:
+        try:
+            return self._finish_step([item], self._run_model([item]))
+        except Exception as exc:
+            return [self._fail(item.seq, exc)]
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        if seq.finish_reason is None:
+            seq.draft_ids = []
+            self.scheduler.finish(seq, "error")
+        return StepOutput(seq, [], True, error=f"{type(exc).__name__}: {exc}"[:500])
+
+    def _run_model(self, batch: list[ScheduledSeq]) -> list[int]:
         self.runner.last_hidden = None  # a runner that replays look-ahead tokens runs no model and leaves it None
         _, sampled = self.runner.run(batch)
-        outputs = self._postprocess(batch, sampled.tolist())
+        return sampled.tolist()
+
+    def _finish_step(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
+        starts = [item.seq.num_computed for item in batch]
+        outputs = self._postprocess(batch, sampled)
         if self.runner.lookahead_tokens:
             self._keep_lookahead(batch)
         if self.spec:
