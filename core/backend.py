@@ -89,3 +89,8 @@ class Backend:
         if profile.spec != "none" and not self.features.get("spec_decode"):
             raise UserError(f"backend '{self.name}' does not implement speculative decoding; use --spec none")
         return PRECISIONS[precision]
+
+
+def declares(backend: Backend, feature: str) -> bool:
+    """Whether `backend` declares `feature`: the one place the engine and the conformance suite read a declaration."""
+    return bool(backend.features.get(feature))

@@ -83,7 +83,8 @@ def backends(
     table = Table("backend", "available", "score", "precisions", "origin", "reason")
     for e in entries:
         table.add_row(e.name, "yes" if e.probe.available else "no", f"{e.probe.score:g}",
-                      ",".join(e.backend.precisions) if e.backend else "", e.origin, e.probe.reason)
+                      ",".join(e.backend.precisions) if e.backend else "", f"{e.origin} ({e.entry_point})",
+                      e.probe.reason)
     Console().print(table)
     if explain:
         for e in entries:
