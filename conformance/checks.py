@@ -13,6 +13,8 @@ class Comparison:
     nmse: float
     fault: str | None  # a disagreement no NMSE bound excuses: shape, or NaN/Inf in another place or sign
     where: str  # human pointer at the largest error, for the failure message
+    gain: float = 1.0  # least-squares factor out ≈ gain * ref: a systematic scale error moves it off 1
+    gain_sigma: float = 0.0  # its standard error from the residual noise (rounding averages out, a bias does not)
 
 
 def _kind(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,17 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
     power = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).sum()
     total = float(err.sum())
     nmse = total / float(power) if float(power) > 0 else total
-    return Comparison(nmse, fault, _where(o, r, err, _kind(o) != _kind(r)))
+    gain, sigma = _gain(o[both], r[both])
+    return Comparison(nmse, fault, _where(o, r, err, _kind(o) != _kind(r)), gain, sigma)
+
+
+def _gain(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
+    rr = float((r * r).sum())
+    if rr == 0 or o.numel() < 2:
+        return 1.0, 0.0
+    gain = float((o * r).sum()) / rr
+    residual = float(((o - gain * r) ** 2).sum())
+    return gain, math.sqrt(residual / rr / o.numel())
 
 
 def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor, nonfinite_mismatch: torch.Tensor) -> str:

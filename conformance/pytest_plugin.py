@@ -30,6 +30,7 @@ class CaseResult:
     message: str = ""
     outcome: str = ""  # passed | failed | skipped
     nodeid: str = ""
+    bound_as: str = ""  # the column of the threshold table that applied (an op's activation dtype)
 
     @classmethod
     def from_json(cls, d: dict) -> "CaseResult":
@@ -86,11 +87,12 @@ class Recorder:
         return f"{base}::{label}" if label else base
 
     def check(self, key: str, precision: str, value: float, label: str = "", detail: str = "",
-              fault: str | None = None) -> bool:
-        """Compare `value` with THRESHOLDS[key] for `precision`; a `fault` fails the case whatever the value."""
+              fault: str | None = None, bound_as: str | None = None) -> bool:
+        """Compare `value` with THRESHOLDS[key] for `precision` (or for `bound_as`: the dtype an op without weights
+        computes in); a `fault` fails the case whatever the value."""
         b = THRESHOLDS[key]
-        limit = b.limit(precision)
-        passed = fault is None and b.passes(value, precision)
+        limit = b.limit(bound_as or precision)
+        passed = fault is None and b.passes(value, bound_as or precision)
         message = ""
         if not passed:
             sign = ">" if b.at_most else "<"
@@ -98,7 +100,7 @@ class Recorder:
             message = f"{self._name(label)} [{self.backend_name}, {precision}]: {key} {message}"
             message += f"; {detail}" if detail else ""
         self.cases.append(CaseResult(self._name(label), self.backend_name, precision, b.metric, limit, float(value),
-                                     passed, message, nodeid=self.item.nodeid))
+                                     passed, message, nodeid=self.item.nodeid, bound_as=bound_as or precision))
         return passed
 
     def expect(self, ok: bool, precision: str, label: str, message: str) -> bool:
