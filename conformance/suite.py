@@ -644,8 +644,9 @@ def test_engine_precision(backend, conformance, precision, tiny, reference_logit
     if precision in QUANTIZED:
         own, expected = _nmse(logits, fp32), _nmse(want, fp32)
         conformance.check("quantized_path_used", precision, own / expected, "vs fp32 model", fault=nonfinite,
-                          detail=f"the logits are {own:.2g} from the fp32 model's while {precision} weights put them "
-                                 f"{expected:.2g} away: the backend computes with full-precision weights, not {precision}")
+                          detail="" if nonfinite else
+                          f"the logits are {own:.2g} from the fp32 model's while {precision} weights put them "
+                          f"{expected:.2g} away: the backend computes with full-precision weights, not {precision}")
     conformance.check("logits_vs_fp32", precision, _nmse(logits, fp32), "end to end", fault=nonfinite)
 
 
@@ -683,7 +684,8 @@ def first_divergent_op(backend, tiny, precision: str) -> str:
                 return (f"replaying the reference's ops, the first to leave its bound is call {i} ({op}, layer {layer}): "
                         f"{c.fault or f'nmse {c.nmse:.3g} > {limit:g}'}")
         layer += op == "attention"
-    return "every op, replayed alone on the reference's inputs, is within its bound: the fault is in how they are composed"
+    return ("every op, replayed alone on the reference's inputs, is within its bound: the fault is in how they are "
+            "composed (the backend's model runner, or the engine)")
 
 
 def _stored(args) -> tuple[torch.Tensor, torch.Tensor]:

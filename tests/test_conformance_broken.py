@@ -15,7 +15,7 @@ PLUGINS = Path(__file__).parent / "broken_plugins"
 #            text no failure message may carry: a wrong diagnosis)
 FAULTS = {
     "rope": ("rope or rmsnorm", r"rope\[", "rope nmse", None),
-    "fp8": ("linear", r"linear_fp8_activation_range\[fp8-e5m2\]", "got inf (+inf)", None),
+    "fp8": ("linear", r"(linear_fp8_activation_range|fp8_linear_edges|linear)\[fp8-e5m2", "got inf (+inf)", None),
     "partial": ("attention or store_kv", r"attention\[", "rows are off by more than 1% or in NaN/Inf (rows 24)", None),
     "int4": ("engine_precision", r"engine_precision\[int4\]", "full-precision weights, not int4", None),
     "crash": ("silu_and_mul or rmsnorm", r"silu_and_mul\[", "RuntimeError: no silu_and_mul kernel built for shape", None),

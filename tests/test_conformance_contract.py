@@ -13,7 +13,6 @@ from conformance_helpers import env_with, listed
 from flashnext.conformance import harness
 from flashnext.conformance.calibrate import HEADROOM, SCALE_FAULT, ceil_125
 from flashnext.conformance.formats import FP8_FORMATS
-from flashnext.conformance.thresholds import THRESHOLDS
 from flashnext.core.cli_conformance import _run_pytest
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
