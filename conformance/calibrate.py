@@ -32,8 +32,9 @@ def ceil_125(x: float) -> float:
         return 0.0
     exp = math.floor(math.log10(x))
     for step in (1, 2, 5, 10):
-        if step * 10**exp >= x * (1 - 1e-9):
-            return step * 10**exp
+        value = float(f"{step}e{exp}")  # exact decimal, not 5 * 10**-6 = 4.9999999999999996e-06
+        if value >= x * (1 - 1e-9):
+            return value
     raise AssertionError
 
 
