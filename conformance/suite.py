@@ -685,7 +685,7 @@ def first_divergent_op(backend, tiny, precision: str) -> str:
                         f"{c.fault or f'nmse {c.nmse:.3g} > {limit:g}'}")
         layer += op == "attention"
     return ("every op, replayed alone on the reference's inputs, is within its bound: the fault is in how they are "
-            "composed (the backend's model runner, or the engine)")
+            "composed or stored (the backend's weight storage, its model runner, or the engine)")
 
 
 def _stored(args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,9 @@ FAULTS = {
                 "attention nmse", None),
     "fp8quant": ("fp8_weights or fp8_linear", r"fp8_(weights_through_backend|linear_edges)\[",
                  "bytes are NaN/inf", None),
-    "prefixcache": ("prefix_cache", r"prefix_cache_hit_equals_miss", "declared off, yet cached prefix tokens", None),
-    "nanlogits": ("(engine_precision and fp32) or seeded or batch", r"(engine_precision|seeded_determinism|batch_invariance)\[",
+    "prefixcache": ("prefix_cache or batch_invariance", r"prefix_cache_hit_equals_miss",
+                    "declared off, yet cached prefix tokens", None),
+    "nanlogits": ("(engine_precision and fp32) or seeded or batch", r"(engine_precision\[|seeded_determinism|batch_invariance)",
                   "non-finite logits", "full-precision weights|changed no token"),
 }
 
