@@ -13,6 +13,8 @@ class Comparison:
     nmse: float
     fault: str | None  # a disagreement no NMSE bound excuses: shape, or NaN/Inf in another place or sign
     where: str  # human pointer at the largest error, for the failure message
+    gain: float = 1.0  # least-squares factor out ≈ gain * ref: a systematic scale error moves it off 1
+    gain_sigma: float = 0.0  # its standard error from the residual noise (rounding averages out, a bias does not)
 
 
 def _kind(x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +53,27 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
     power = torch.where(torch.isfinite(r), r**2, torch.zeros_like(r)).sum()
     total = float(err.sum())
     nmse = total / float(power) if float(power) > 0 else total
-    return Comparison(nmse, fault, _where(o, r, err, _kind(o) != _kind(r)))
+    gain, sigma = _gain(o, r, both)
+    return Comparison(nmse, fault, _where(o, r, err, _kind(o) != _kind(r)), gain, sigma)
+
+
+def _gain(o: torch.Tensor, r: torch.Tensor, both: torch.Tensor) -> tuple[float, float]:
+    """Least-squares gain of `o` on `r` over the elements finite in both, and its standard error: the larger of
+    the independent-elements estimate and the one from the spread of row gains (errors within a row are
+    correlated: in a linear, one token's quantized activations reach all of its outputs)."""
+    o, r = torch.where(both, o, 0.0), torch.where(both, r, 0.0)
+    rr = float((r * r).sum())
+    n = int(both.sum())
+    if rr == 0 or n < 2:
+        return 1.0, 0.0
+    gain = float((o * r).sum()) / rr
+    sigma = math.sqrt(float(((o - gain * r) ** 2 * both).sum()) / rr / n)
+    if o.dim() >= 2 and o.shape[0] >= 4:
+        weight = (r * r).flatten(1).sum(1)
+        rows = weight > 0
+        row_gain = (o * r).flatten(1).sum(1)[rows] / weight[rows]
+        sigma = max(sigma, math.sqrt(float((weight[rows] ** 2 * (row_gain - gain) ** 2).sum())) / rr)
+    return gain, sigma
 
 
 def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor, nonfinite_mismatch: torch.Tensor) -> str:

@@ -4,6 +4,8 @@ The tiny model needs no files and no tokenizer training, so a third-party backen
 anywhere flashnext is installed.
 """
 
+import math
+
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
@@ -120,3 +122,93 @@ def mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
             j = diff[0]
             first = f"request {i} differs from token {j}: {x[j:j + 4]} vs {y[j:j + 4]}"
     return count, first
+
+
+class LogitTape:
+    """The logits behind every token the engine samples, per request and output step, recorded around its runner:
+    what invariants compare, so rounding (logits a little apart) and faults (far apart, or a token that is not the
+    argmax of its own logits) are told apart at the precision the backend runs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        run = engine.runner.run
+
+        def recording(batch):
+            logits, sampled = run(batch)
+            self._keep(batch, logits)
+            return logits, sampled
+
+        engine.runner.run = recording
+
+    def _keep(self, batch: list[ScheduledSeq], logits) -> None:
+        if not isinstance(logits, torch.Tensor) or logits.shape[0] != sum(item.num_logits for item in batch):
+            return  # a runner that replays look-ahead tokens: nothing to record
+        rows, r = logits.float().cpu(), 0
+        for item in batch:
+            seq = item.seq
+            first = seq.num_computed + item.num_tokens - item.num_logits + 1 - seq.num_prompt  # output step predicted
+            for k in range(item.num_logits):
+                if first + k >= 0:  # the latest wins: a later step re-predicts what a rejected draft conditioned
+                    self.rows[seq.request_id, first + k] = rows[r + k]
+            r += item.num_logits
+
+    def get(self, seq: Sequence, step: int) -> torch.Tensor | None:
+        return self.rows.get((seq.request_id, step))
+
+
+def divergence(fast: LogitTape, fast_seqs: list[Sequence], plain: LogitTape, plain_seqs: list[Sequence],
+               limit: float, greedy: bool = True) -> tuple[float, str | None, str]:
+    """(largest logits NMSE between the runs before their tokens part, a fault or None, where). Each request is
+    compared step by step until its tokens differ; a difference is a fault when both runs' logits are finite and
+    close but the token still changed: identical logits, or (greedy) a top-2 margin wider than twice the largest
+    logit difference, which rounding cannot bridge. Beyond the first difference the prefixes differ: not compared."""
+    worst, where = 0.0, ""
+    for i, (a, b) in enumerate(zip(fast_seqs, plain_seqs)):
+        for j, (ta, tb) in enumerate(zip(a.output_ids, b.output_ids)):
+            la, lb = fast.get(a, j), plain.get(b, j)
+            for run, logits in (("", la), ("plain ", lb)):
+                if logits is not None and not bool(torch.isfinite(logits).all()):
+                    return math.nan, (f"the {run}run's logits hold NaN/Inf at request {i} step {j}: the backend emits "
+                                      "non-finite logits"), ""
+            if la is not None and lb is not None:
+                err = float(((la.double() - lb.double()) ** 2).sum() / (lb.double() ** 2).sum().clamp_min(1e-300))
+                if err > worst:
+                    worst, where = err, f"largest at request {i} step {j}"
+                if err > limit:
+                    return err, None, f"the logits first leave the plain run's beyond the bound at request {i} step {j}"
+            if ta == tb:
+                continue
+            if la is None or lb is None:
+                return worst, f"request {i} step {j}: token {ta} vs {tb}, and no logits were recorded to tell a " \
+                              "near tie from a fault", where
+            diff = float((la - lb).abs().max())
+            top2 = lb.topk(2).values
+            margin = float(top2[0] - top2[1])
+            if diff == 0 or (greedy and margin > 2 * diff):
+                return worst, (f"request {i} step {j}: token {ta} vs {tb} although the logits differ by at most "
+                               f"{diff:.3g} and the plain run's top-2 margin is {margin:.3g}: the token is not the one "
+                               "its logits pick"), where
+            break  # a near tie that rounding decided: later steps follow different prefixes
+    return worst, None, where
+
+
+KERNEL_OPS = ("embedding", "rmsnorm", "add_rmsnorm", "rope", "store_kv", "attention", "linear", "silu_and_mul")
+
+
+class KernelTape:
+    """Kernels that record every op call of a model in order, with copies of its inputs (caches included), so
+    the calls can be replayed on another backend's kernels one at a time."""
+
+    def __init__(self, kernels):
+        self.kernels, self.calls = kernels, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.kernels, name)
+        if name not in KERNEL_OPS:
+            return fn
+
+        def call(*args):
+            self.calls.append((name, [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+            return fn(*args)
+
+        return call

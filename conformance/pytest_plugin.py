@@ -15,7 +15,6 @@ import pytest
 from .thresholds import THRESHOLDS
 
 _BACKEND = pytest.StashKey[object]()
-_RESULTS = pytest.StashKey[list]()
 _ITEM_CASES = pytest.StashKey[list]()
 
 
@@ -31,6 +30,11 @@ class CaseResult:
     message: str = ""
     outcome: str = ""  # passed | failed | skipped
     nodeid: str = ""
+    bound_as: str = ""  # the column of the threshold table that applied (an op's activation dtype)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CaseResult":
+        return cls(**{k: float(v) if k in ("threshold", "value") and isinstance(v, str) else v for k, v in d.items()})
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -51,7 +55,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.stash[_RESULTS] = []
+    _COLLECTED.clear()
     config.addinivalue_line("markers", "slow: end-to-end conformance cases on the default model")
 
 
@@ -83,11 +87,12 @@ class Recorder:
         return f"{base}::{label}" if label else base
 
     def check(self, key: str, precision: str, value: float, label: str = "", detail: str = "",
-              fault: str | None = None) -> bool:
-        """Compare `value` with THRESHOLDS[key] for `precision`; a `fault` fails the case whatever the value."""
+              fault: str | None = None, bound_as: str | None = None) -> bool:
+        """Compare `value` with THRESHOLDS[key] for `precision` (or for `bound_as`: the dtype an op without weights
+        computes in); a `fault` fails the case whatever the value."""
         b = THRESHOLDS[key]
-        limit = b.limit(precision)
-        passed = fault is None and b.passes(value, precision)
+        limit = b.limit(bound_as or precision)
+        passed = fault is None and b.passes(value, bound_as or precision)
         message = ""
         if not passed:
             sign = ">" if b.at_most else "<"
@@ -95,7 +100,7 @@ class Recorder:
             message = f"{self._name(label)} [{self.backend_name}, {precision}]: {key} {message}"
             message += f"; {detail}" if detail else ""
         self.cases.append(CaseResult(self._name(label), self.backend_name, precision, b.metric, limit, float(value),
-                                     passed, message, nodeid=self.item.nodeid))
+                                     passed, message, nodeid=self.item.nodeid, bound_as=bound_as or precision))
         return passed
 
     def expect(self, ok: bool, precision: str, label: str, message: str) -> bool:
@@ -118,18 +123,25 @@ def pytest_runtest_makereport(item, call):
         report.user_properties.append((c.name, f"{c.metric}={c.value:.4g} bound={c.threshold:g} passed={c.passed}"))
     in_suite = "conformance" in getattr(item, "fixturenames", ())  # ordinary test runs stay untouched
     if in_suite and (report.when == "call" or (report.when == "setup" and not report.passed)):
-        _collect(item, report, call, cases)
+        # On the report itself (plain JSON), so that pytest-xdist carries the cases from its workers to the
+        # controller, which writes the one complete report.
+        report.flashnext_cases = [c.as_json() for c in _cases_of(item, report, call, cases)]
     return report
 
 
-def _collect(item, report, call, cases: list[CaseResult]) -> None:
-    results = item.config.stash[_RESULTS]
+def pytest_runtest_logreport(report):
+    _COLLECTED.extend(CaseResult.from_json(c) for c in getattr(report, "flashnext_cases", ()))
+
+
+_COLLECTED: list[CaseResult] = []  # this run's cases, gathered where the reports arrive (the xdist controller)
+
+
+def _cases_of(item, report, call, cases: list[CaseResult]) -> list[CaseResult]:
     for c in cases:
         c.outcome = "passed" if c.passed else "failed"
-    results += cases
     crashed = report.failed and not any(c.passed is False for c in cases)
     if cases and not report.skipped and not crashed:
-        return
+        return cases
     # The test itself is the case: a skip with its reason, or an exception no recorded case explains.
     backend = item.config.stash.get(_BACKEND, None)
     precision = getattr(item, "callspec", None) and item.callspec.params.get("precision", "")
@@ -137,22 +149,27 @@ def _collect(item, report, call, cases: list[CaseResult]) -> None:
     if report.skipped:
         message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     elif report.failed:
-        error = call.excinfo.exconly() if call.excinfo else report.longreprtext.strip().splitlines()[-1]
-        message = f"{item.name.removeprefix('test_')}: {error}"
+        message = f"{item.name.removeprefix('test_')}: {_error_line(call, report)}"
     passed = None if report.skipped else report.passed
-    results.append(CaseResult(item.name.removeprefix("test_"), getattr(backend, "name", "?"), precision or "",
-                              "error" if report.failed else "ran", None, None, passed, message,
-                              report.outcome, item.nodeid))
+    return cases + [CaseResult(item.name.removeprefix("test_"), getattr(backend, "name", "?"), precision or "",
+                               "error" if report.failed else "ran", None, None, passed, message,
+                               report.outcome, item.nodeid)]
+
+
+def _error_line(call, report) -> str:
+    exc = call.excinfo.value if call.excinfo else None
+    if isinstance(exc, ModuleNotFoundError) and exc.name:  # an optional package the case needs: say which
+        return f"this case needs the '{exc.name}' package: pip install {exc.name}"
+    return call.excinfo.exconly() if call.excinfo else report.longreprtext.strip().splitlines()[-1]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    results: list[CaseResult] = config.stash.get(_RESULTS, [])
-    if not results:
+    results: list[CaseResult] = list(_COLLECTED)
+    if not results or hasattr(config, "workerinput"):  # an xdist worker: the controller reports
         return
     path = config.getoption("--flashnext-json")
     if path:
-        backend = config.stash.get(_BACKEND, None)
-        doc = {"backend": getattr(backend, "name", None), "seed": config.getoption("--flashnext-seed"),
+        doc = {"backend": results[0].backend, "seed": config.getoption("--flashnext-seed"),
                "passed": sum(r.passed is True for r in results), "failed": sum(r.passed is False for r in results),
                "skipped": sum(r.passed is None for r in results), "cases": [r.as_json() for r in results]}
         with open(path, "w", encoding="utf-8") as fh:

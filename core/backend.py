@@ -101,3 +101,8 @@ class Backend:
             raise UserError(f"attention '{profile.attention}' is not offered by backend '{self.name}'"
                             f" (choose {offered}; FLASHNEXT_ATTENTION)")
         return PRECISIONS[precision]
+
+
+def declares(backend: Backend, feature: str) -> bool:
+    """Whether `backend` declares `feature`: the one place the engine and the conformance suite read a declaration."""
+    return bool(backend.features.get(feature))

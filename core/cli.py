@@ -105,7 +105,8 @@ def backends(
     table.add_column("reason", overflow="fold")  # a URL in a reason folds instead of losing its end
     for e in entries:  # precisions space-separated: a narrow terminal wraps them instead of cutting them off
         table.add_row(e.name, "yes" if e.probe.available else "no", f"{e.probe.score:g}",
-                      " ".join(e.backend.precisions) if e.backend else "", e.origin, e.probe.reason)
+                      " ".join(e.backend.precisions) if e.backend else "", f"{e.origin} ({e.entry_point})",
+                      e.probe.reason)
     Console().print(table)
     if explain:
         for e in entries:

@@ -37,7 +37,10 @@ def conformance(
 
 
 def _run_pytest(backend: str, junit: Optional[Path], json_path: Optional[Path], select: Optional[str]) -> int:
-    import pytest
+    try:
+        import pytest
+    except ModuleNotFoundError as exc:  # a stripped install: name what to add, no traceback
+        raise UserError(f"flashnext conformance needs the '{exc.name}' package: pip install {exc.name}") from None
 
     suite = importlib.util.find_spec("flashnext.conformance.suite").origin
     # Our own rootdir and an empty ini file: the user's project config and conftest files must not change the cases.

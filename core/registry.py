@@ -23,6 +23,7 @@ class BackendEntry:
     probe: Probe
     error: str | None = None
     error_detail: str = field(default="", repr=False)  # traceback, shown with --debug
+    entry_point: str = ""  # the entry point's name: with the distribution, what FLASHNEXT_PLUGINS matches
 
     def as_json(self) -> dict:
         b = self.backend
@@ -32,6 +33,7 @@ class BackendEntry:
             "score": self.probe.score,
             "reason": self.probe.reason,
             "origin": self.origin,
+            "entry_point": self.entry_point,
             "precisions": list(b.precisions) if b else [],
             "features": dict(b.features) if b else {},
             "default_profile": b.default_profile if b else None,
@@ -46,15 +48,19 @@ def _allowlist() -> set[str] | None:
 
 
 def discover() -> list[BackendEntry]:
-    """Every backend registered under the entry-point group, probed. Third-party ones obey FLASHNEXT_PLUGINS."""
+    """Every backend registered under the entry-point group, probed. Third-party ones obey FLASHNEXT_PLUGINS, which
+    names entry points or distributions (both shown by `flashnext backends`): the allowlist is applied before a
+    plugin is imported, so the backend names its code registers are not known yet."""
     allow = _allowlist()
     entries: list[BackendEntry] = []
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = ep.dist.name if ep.dist else "unknown"
         origin = f"{dist} {ep.dist.version}" if ep.dist else dist
-        if dist != OWN_DISTRIBUTION and allow is not None and ep.name not in allow:
+        if dist != OWN_DISTRIBUTION and allow is not None and not allow & {ep.name, dist}:
             continue
-        entries += _load(ep, origin)
+        for entry in _load(ep, origin):
+            entry.entry_point = ep.name
+            entries.append(entry)
     return entries
 
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backend import Backend
+from ..backend import Backend, declares
 from ..errors import UserError
 from ..loader import LoadedModel
 from ..model import DecoderModel, weight_bytes
@@ -30,6 +30,8 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
+        if profile.prefix_caching and not declares(backend, "prefix_caching"):
+            profile = profile.overridden(prefix_caching=False)  # declared off (or not declared) means off
         self.backend, self.profile, self.config = backend, profile, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self._refuse_weights_past_free_memory(backend, loaded)
@@ -90,7 +92,7 @@ class LLMEngine:
         name = self.profile.kv_cache_dtype
         if name == "auto":
             return self.model.dtype
-        if name.startswith("fp8") and not self.backend.features.get("fp8_kv_cache"):
+        if name.startswith("fp8") and not declares(self.backend, "fp8_kv_cache"):
             raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
         return PRECISIONS[name].storage_dtype
 

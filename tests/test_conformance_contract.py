@@ -1,0 +1,136 @@
+"""The plugin contract the conformance suite relies on: declarations honoured, allowlist names, a stripped install,
+complete reports under xdist, the FP8 format table, the calibrated bounds and the step-by-step invariant judge."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance_helpers import env_with, listed
+from flashnext.conformance import harness
+from flashnext.conformance.calibrate import ceil_125
+from flashnext.conformance.checks import compare
+from flashnext.conformance.formats import FP8_FORMATS
+from flashnext.conformance.suite import gain_fault
+from flashnext.conformance.thresholds import THRESHOLDS
+from flashnext.core.cli_conformance import _run_pytest
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.errors import UserError
+from flashnext.plugins.cpu import CpuBackend
+
+DOCS = Path(__file__).parent.parent / "docs"
+PLUGINS = Path(__file__).parent / "broken_plugins"
+
+
+class NoPrefixCacheBackend(CpuBackend):
+    name = "no-prefix-cache"
+    features = CpuBackend.features | {"prefix_caching": False}
+
+
+def test_prefix_caching_declared_off_is_off():
+    tiny = harness.tiny_model()
+    engine = harness.make_engine(NoPrefixCacheBackend(), tiny, "fp32", **harness.plain_profile(), prefix_caching=True)
+    assert not engine.profile.prefix_caching and not engine.blocks.prefix_caching
+    shared = harness.tiny_prompts(1, 2, lengths=(48,))[0]
+    seqs = [harness.run_requests(engine, [shared + [t]], SamplingParams(max_tokens=2))[0] for t in (3, 4)]
+    assert [s.num_cached_prefix for s in seqs] == [0, 0]
+    on = harness.make_engine(CpuBackend(), tiny, "fp32", **harness.plain_profile(), prefix_caching=True)
+    assert on.blocks.prefix_caching  # declared on stays on
+
+
+def test_allowlist_takes_entry_point_or_distribution_names(tmp_path):
+    info = tmp_path / "flashnext_broken_rope-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashnext-broken-rope\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[flashnext.backends]\nbroken-rope = flashnext_broken_rope\n")
+    paths = [tmp_path, PLUGINS]
+    shown = listed(env_with(paths))["broken-rope"]
+    assert shown["entry_point"] == "broken-rope" and shown["origin"] == "flashnext-broken-rope 0.1"
+    assert "broken-rope" in listed(env_with(paths, FLASHNEXT_PLUGINS="flashnext-broken-rope"))
+    assert "broken-rope" not in listed(env_with(paths, FLASHNEXT_PLUGINS="something-else"))
+
+
+def test_missing_pytest_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pytest", None)  # as after `pip install torch==2.13.0 -e .` without it
+    with pytest.raises(UserError) as err:
+        _run_pytest("cpu", None, None, None)
+    assert "pip install pytest" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_json_report_is_complete_under_xdist(tmp_path):
+    pytest.importorskip("xdist")
+    suite = Path(harness.__file__).with_name("suite.py")
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+           "-c", "/dev/null", "-n", "2", "--flashnext-backend", "cpu", "-k", "rope and (fp32 or bf16)",
+           "--flashnext-json", str(report)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with([]), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    doc = json.loads(report.read_text())
+    assert doc["backend"] == "cpu" and len(doc["cases"]) == 16 and doc["passed"] == 16  # 4 shapes x 2 x (q, k)
+    assert len({c["nodeid"] for c in doc["cases"]}) == 8
+
+
+def test_fp8_format_table_matches_torch():
+    for dtype, fmt in FP8_FORMATS.items():
+        values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        assert {i for i in range(256) if values[i].isnan()} == fmt.nan_bytes, dtype
+        assert {i for i in range(256) if values[i].isinf()} == fmt.inf_bytes, dtype
+        finite = values[torch.isfinite(values)]
+        assert float(finite.max()) == fmt.max and float(finite[finite > 0].min()) == fmt.smallest_subnormal
+
+
+def test_op_bounds_follow_the_calibration():
+    table = json.loads((DOCS / "conformance_calibration.json").read_text())
+    assert table, "run conformance/calibrate.py --json docs/conformance_calibration.json"
+    for row in table:
+        assert THRESHOLDS[row["op"]].limit(row["column"]) >= row["rule"], row
+    assert ceil_125(2.1e-6) == 5e-6 and ceil_125(1e-5) == 1e-5 and ceil_125(0) == 0
+
+
+@pytest.mark.parametrize("shape", [(33, 1536), (7, 320)])
+def test_half_a_percent_scale_fails_where_nmse_cannot_see_it(shape):
+    """Under bf16 rounding (and W8A8-like noise), a 0.5% gain is caught by the gain check, never an exact scale."""
+    ref = torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    noisy = ref + torch.randn(*shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.03
+    for out in (ref.bfloat16().double(), noisy):
+        assert gain_fault(compare(out, ref), "bf16") is None
+        assert "systematic scale error" in gain_fault(compare(out * 1.005, ref), "bf16")
+
+
+class _Tape:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def get(self, seq, step):
+        return self.rows.get((seq.request_id, step))
+
+
+class _Seq:
+    def __init__(self, rid, out):
+        self.request_id, self.output_ids = rid, out
+
+
+def test_divergence_tells_near_ties_from_faults():
+    tie, clear = torch.tensor([5.0, 4.999, 0.0]), torch.tensor([5.0, 2.0, 0.0])
+    nudged = tie + torch.tensor([0.0, 0.002, 0.0])
+    plain = [_Seq("b", [0, 2])]
+    # a near tie flipped by a logit difference larger than its margin: rounding, not a fault
+    worst, fault, _ = harness.divergence(_Tape({("a", 0): nudged}), [_Seq("a", [1, 0])],
+                                         _Tape({("b", 0): tie}), plain, limit=1e-3)
+    assert fault is None and worst < 1e-3
+    # the same token change with a clear margin and nearly equal logits: the token is not its logits' argmax
+    _, fault, _ = harness.divergence(_Tape({("a", 0): clear + 1e-4}), [_Seq("a", [1, 0])],
+                                     _Tape({("b", 0): clear}), plain, limit=1e-3)
+    assert fault and "not the one its logits pick" in fault
+    # NaN logits are named as such
+    _, fault, _ = harness.divergence(_Tape({("a", 0): clear * float("nan")}), [_Seq("a", [0, 2])],
+                                     _Tape({("b", 0): clear}), plain, limit=1e-3)
+    assert fault and "non-finite logits" in fault
+    # logits far apart: the value exceeds the bound, and the step is named
+    worst, fault, where = harness.divergence(_Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])],
+                                             _Tape({("b", 0): clear}), plain, limit=1e-3)
+    assert fault is None and worst > 1e-3 and "request 0 step 0" in where
