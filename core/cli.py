@@ -16,6 +16,7 @@ from rich.table import Table
 
 from .cli_bench import bench
 from .cli_conformance import conformance
+from .cli_export import export
 from .cli_serve import serve
 from .errors import FlashnextError
 
@@ -219,6 +220,7 @@ def _report(llm, seq, text: str, start: tuple[float, float], first: tuple[float,
 app.command()(friendly_errors(serve))
 app.command()(friendly_errors(conformance))
 app.command()(friendly_errors(bench))
+app.command()(friendly_errors(export))
 
 
 def main():

@@ -8,7 +8,7 @@ from . import registry
 from .engine.engine import LLMEngine
 from .engine.sequence import SamplingParams, Sequence
 from .errors import UserError
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel
 from .profile import Profile, env_overrides
 
 
@@ -43,7 +43,7 @@ class LLM:
         start = time.perf_counter()
         entries = registry.discover()
         entry = registry.select(entries, backend)
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.loaded = model if isinstance(model, LoadedModel) else entry.backend.load_model(model)
         self.tokenizer = self.loaded.tokenizer
         settings = resolve_profile(entry.backend, profile, profile_overrides)
         self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)

@@ -39,12 +39,16 @@ class Profile(BaseModel):
     # SmolLM2 fp8 with an fp8 head, Hamlet perplexity 26.43 -> 26.81 (fp32 25.86). Off by default, as llama.cpp
     # and vLLM keep heads at higher precision.
     quantize_lm_head: bool = False
+    # A backend whose graphs are built for short answers caps max_tokens a request: above it, "clamp" runs to the
+    # cap (finish_reason "length") and "refuse" rejects the request with the reason.
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    max_tokens_over_cap: Literal["clamp", "refuse"] = "clamp"
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""
         data = self.model_dump() | {k: v for k, v in changes.items() if v is not None}
         try:
-            return Profile(**data)
+            return type(self)(**data)  # a backend's Profile subclass keeps its own fields
         except ValidationError as exc:
             err = exc.errors()[0]
             field = ".".join(str(p) for p in err["loc"])

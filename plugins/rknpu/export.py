@@ -60,8 +60,8 @@ def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: st
     if not 1 <= batch <= MAX_BATCH:
         raise UserError(f"--batch {batch}: the RK3588 graphs take 1 to {MAX_BATCH} sequences")
     limit = loaded.config.max_position_embeddings
-    if context > limit or context % chunk:
-        raise UserError(f"--context {context}: must be a multiple of --chunk {chunk} and at most the model's {limit}")
+    if context > limit or chunk > context:
+        raise UserError(f"--context {context}: at most the model's {limit} and at least --chunk {chunk}")
     out.mkdir(parents=True, exist_ok=True)
     (out / WEIGHTS_FILE).unlink(missing_ok=True)
     config = loaded.config.model_copy(update={"max_position_embeddings": context})
@@ -114,6 +114,7 @@ def write_graphs(module: StaticDecoder, config, shapes: list[GraphShape], out: P
     graphs, shared = {}, {}
     for shape in shapes:
         path = out / f"{shape.name}.onnx"
+        module.shape = shape
         with torch.no_grad():
             torch.onnx.export(module, example_inputs(config, shape), str(path), dynamo=False, opset_version=OPSET,
                               input_names=input_names(config.num_layers),

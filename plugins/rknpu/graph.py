@@ -89,12 +89,11 @@ class Layer(nn.Module):
         self.gate_up = Linear(dense(layer.gate_up))
         self.down = Linear(dense(layer.down))
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
+    def forward(self, x, cos, sin, mask, past_k, past_v, b: int, t: int):
         cfg = self.cfg
-        b, t, _ = x.shape
         h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv(self.input_norm(x))
-        q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
+        q, k, v = qkv[..., : h * d], qkv[..., h * d : (h + kv) * d], qkv[..., (h + kv) * d :]
         q = q.reshape(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
         k = k.reshape(b, t, kv, d).transpose(1, 2)
         v = v.reshape(b, t, kv, d).transpose(1, 2)
@@ -106,12 +105,13 @@ class Layer(nn.Module):
         group = h // kv
         # Grouped heads as rows: [B, KV, G * T, D] against [B, KV, C + T, D], 4-D throughout.
         qg = q.reshape(b, kv, group * t, d)
-        scores = torch.matmul(qg, keys.transpose(2, 3)) * d**-0.5 + mask.repeat(1, 1, group, 1)
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * d**-0.5 + torch.cat([mask] * group, dim=2)
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, KV, G * T, D]
         out = out.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, h * d)
         x = x + self.o(out)
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        x = x + self.down(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up(self.post_norm(x))
+        half = gate_up.shape[-1] // 2
+        x = x + self.down(nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:])
         return x, k, v
 
 
@@ -123,10 +123,12 @@ def rotate(x, cos, sin):
 
 
 class StaticDecoder(nn.Module):
-    """Built from the core's DecoderModel (its weights in the export precision, projections as exact grids)."""
+    """Built from the core's DecoderModel (its weights in the export precision, projections as exact grids).
+    `shape` is set before each export: sizes come from it as plain ints, so the graph holds no Shape ops."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
+        self.shape: GraphShape | None = None
         cfg = model.config
         self.num_layers = cfg.num_layers
         self.layers = nn.ModuleList(Layer(cfg, layer) for layer in model.layers)
@@ -136,7 +138,7 @@ class StaticDecoder(nn.Module):
     def forward(self, embeds, cos, sin, mask, *past):
         x, new = embeds, []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, mask, past[2 * i], past[2 * i + 1])
+            x, k, v = layer(x, cos, sin, mask, past[2 * i], past[2 * i + 1], self.shape.batch, self.shape.tokens)
             new += [k, v]
         return (self.head(self.norm(x)), *new)
 
