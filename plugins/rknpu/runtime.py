@@ -207,7 +207,8 @@ class StaticRunner(ModelRunner):
             if item.num_tokens == 1:
                 decodes[slot] = (tokens[0], start, i)
             else:
-                logits_of[i] = self.model.prefill(slot, tokens, start)[-item.num_logits:] if item.num_logits else None
+                logits = self.model.prefill(slot, tokens, start)
+                logits_of[i] = logits[len(logits) - item.num_logits:]
         if decodes:
             out = self.model.decode({s: (tok, pos) for s, (tok, pos, _) in decodes.items()})
             for slot, (_, _, i) in decodes.items():
