@@ -17,5 +17,7 @@ if [ ! -x "$venv/bin/python" ]; then
   # opencv-python wants a desktop's libGL; the headless build is the same cv2 without it.
   "$venv/bin/pip" uninstall -q -y opencv-python
   PIP_CONSTRAINT= "$venv/bin/pip" install -q opencv-python-headless
+  # flashnext itself, for its StaticModel (torch 2.4 and numpy 1.26 from the toolkit satisfy it)
+  PIP_CONSTRAINT= "$venv/bin/pip" install -q -e "$here/.."
 fi
 "$venv/bin/python" "$here/rknn_simulate.py" "$@"

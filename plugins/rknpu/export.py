@@ -11,6 +11,7 @@ stores as fp16 (see docs/backends.md for what that costs and what the true INT4 
 import hashlib
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from flashnext.core.loader import LoadedModel
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import PRECISIONS
 
-from .graph import GraphShape, StaticDecoder, example_inputs, input_names, output_names
+from .graph import GraphShape, StaticDecoder, dense, example_inputs, input_names, output_names
 from .runtime import MANIFEST, StaticModel
 
 TARGETS = ("rk3588",)
@@ -67,6 +68,7 @@ def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: st
     config = loaded.config.model_copy(update={"max_position_embeddings": context})
     model = DecoderModel(config, loaded.weights, ReferenceKernels(), PRECISIONS[precision], torch.device("cpu"),
                          torch.float32)
+    expand_projections(model)
     shapes = [GraphShape(batch, 1, context), GraphShape(1, chunk, context)]
     start = time.perf_counter()
     graphs = write_graphs(StaticDecoder(model).eval(), config, shapes, out)
@@ -101,6 +103,14 @@ def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: st
     return manifest
 
 
+def expand_projections(model: DecoderModel) -> None:
+    """Projections as their float32 values, once: the same numbers the reference kernels would dequantize on
+    every call of the check's forward passes."""
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, dense(getattr(layer, name)))
+
+
 def weights_note(precision: str) -> str:
     if precision == "int4":
         return ("int4 grid values (q * scale + offset, groups of the core's Int4Weight) as float32 initializers; "
@@ -109,13 +119,15 @@ def weights_note(precision: str) -> str:
 
 
 def write_graphs(module: StaticDecoder, config, shapes: list[GraphShape], out: Path) -> dict:
-    """Each shape exported with the legacy TorchScript exporter (static shapes, no dynamic axes), then all graphs
+    """Each shape exported with the legacy TorchScript exporter (static shapes, no dynamic axes; it needs no
+    onnxscript, and the shapes are fixed so the dynamo exporter's symbolic shapes buy nothing), then all graphs
     pointed at one weights file: the second graph's initializers reuse the first one's bytes."""
     graphs, shared = {}, {}
     for shape in shapes:
         path = out / f"{shape.name}.onnx"
         module.shape = shape
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter, chosen above
             torch.onnx.export(module, example_inputs(config, shape), str(path), dynamo=False, opset_version=OPSET,
                               input_names=input_names(config.num_layers),
                               output_names=output_names(config.num_layers), do_constant_folding=True)
