@@ -22,8 +22,8 @@ from .runtime import CORE_MASKS, MANIFEST, StaticModel, StaticRunner, read_manif
 
 MAX_SEQS = 4  # the graphs' batch: more concurrent requests queue
 MAX_TOKENS = 64  # a request's answer on the board
-FP8_REFUSAL = ("backend 'rknpu' has no FP8: RK3588's NPU has no FP8 type and FP8 work falls back to the CPU at ~17x "
-               "the latency; use --precision int4 (default) or fp16")
+FP8_REFUSAL = ("backend 'rknpu' does not run {precision}: RK3588's NPU has no FP8 type and FP8 work falls back to "
+               "the CPU at ~17x the latency; use --precision int4 (default) or fp16")
 
 
 class NpuProfile(Profile):
@@ -96,7 +96,7 @@ class RknpuBackend(Backend):
 
     def check_request(self, precision, profile):
         if isinstance(precision, str) and precision.startswith("fp8"):
-            raise UserError(FP8_REFUSAL)
+            raise UserError(FP8_REFUSAL.format(precision=precision))
         if profile.max_num_seqs > MAX_SEQS:
             raise UserError(f"max_num_seqs {profile.max_num_seqs}: the RK3588 graphs run at most {MAX_SEQS} "
                             f"sequences (more requests queue); set FLASHNEXT_MAX_NUM_SEQS={MAX_SEQS} or less")
