@@ -129,3 +129,22 @@ def test_a_checkpoint_given_directly_is_exported_on_the_fly(tiny_llama):
     assert eng.max_model_len == 64 and eng.runner.model.batch == 4
     (seq,) = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(seq.output_ids) == 5
+
+
+def test_serve_queues_a_fifth_concurrent_request_and_caps_max_tokens(rknpu_export):
+    """Five completions at once over HTTP: all answer (one waits for a slot), each at most 64 tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import running
+
+    from flashnext.core.llm import LLM
+
+    llm = LLM(str(rknpu_export[0]), backend="rknpu")
+    with running(llm) as client:
+        body = {"model": llm.info.model, "prompt": "hello world", "max_tokens": 100, "ignore_eos": True}
+        with ThreadPoolExecutor(5) as pool:
+            replies = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(5)))
+        assert [r.status_code for r in replies] == [200] * 5, replies[0].text
+        assert [r.json()["usage"]["completion_tokens"] for r in replies] == [64] * 5
+        assert {r.json()["choices"][0]["finish_reason"] for r in replies} == {"length"}
+        assert client.get("/health").json()["backend"] == "rknpu"
