@@ -100,3 +100,18 @@ def test_smollm2_export_checks_pass(tmp_path):
     manifest = export(load_model(None), tmp_path, context=256)
     checks = manifest["checks"]
     assert checks["passed"] and checks["greedy_tokens_equal"] == 32, checks
+
+
+def test_cli_export_writes_the_folder_and_refuses_unknown_targets(tiny_llama, tmp_path):
+    from typer.testing import CliRunner
+
+    from flashnext.core.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["export", "--target", "rk3588", "--model", str(tiny_llama), "--out",
+                                 str(tmp_path / "out"), "--chunk", "16", "--context", "64", "--no-check"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads(result.stdout)
+    assert manifest["context"] == 64 and (tmp_path / "out" / "decode.onnx").is_file() and "checks" not in manifest
+    result = runner.invoke(app, ["export", "--target", "rk3399", "--model", str(tiny_llama), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--target rk3399: no installed backend exports it (targets: rk3588)" in result.stderr
