@@ -14,10 +14,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3.11 -m venv "$venv"
   # The machine-wide pip constraints (if any) are for the project's own torch; this venv pins its own.
   PIP_CONSTRAINT= "$venv/bin/pip" install -q "rknn-toolkit2==2.5.0" "onnxruntime==1.18.1"
-  # opencv-python wants a desktop's libGL; the headless build is the same cv2 without it.
+  # opencv-python wants a desktop's libGL; the headless build is the same cv2 without it (4.10: still numpy 1.x).
   "$venv/bin/pip" uninstall -q -y opencv-python
-  PIP_CONSTRAINT= "$venv/bin/pip" install -q opencv-python-headless
-  # flashnext itself, for its StaticModel (torch 2.4 and numpy 1.26 from the toolkit satisfy it)
-  PIP_CONSTRAINT= "$venv/bin/pip" install -q -e "$here/.."
+  # flashnext itself, for its StaticModel; numpy stays at the toolkit's 1.26
+  PIP_CONSTRAINT= "$venv/bin/pip" install -q "opencv-python-headless==4.10.0.84" "numpy==1.26.4" -e "$here/.."
 fi
 "$venv/bin/python" "$here/rknn_simulate.py" "$@"
