@@ -41,6 +41,8 @@ class FakeRKNNLite:
         self.log.append(("inference", len(inputs or [])))
         if "inference" in self.fail or self.session is None:
             return None
+        if data_format != ["nchw"] * len(inputs):  # the real runtime would transpose 4-D inputs taken as NHWC
+            return None
         names = [i.name for i in self.session.get_inputs()]
         if len(inputs) != len(names):
             return None

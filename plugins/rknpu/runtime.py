@@ -63,7 +63,8 @@ class RknnLiteSession:
                                   "and the rknpu driver are installed and that the cores exist (RK3588: 0, 1, 2)")
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        outputs = self.rknn.inference(inputs=inputs)
+        # As the arrays are: a 4-D input would otherwise be taken for an NHWC image and transposed.
+        outputs = self.rknn.inference(inputs=inputs, data_format=["nchw"] * len(inputs))
         if outputs is None:
             raise NpuRuntimeError(f"{self.path}: inference returned no outputs (the NPU runtime logged why); "
                                   "check the input shapes against manifest.json")
