@@ -45,7 +45,7 @@ def tiny_random():
 @pytest.fixture(scope="session")
 def rknpu_export(tiny_llama, tmp_path_factory):
     """The tiny Llama exported for rk3588 (int4, batch 4, chunk 16, context 128), checked; (folder, manifest)."""
-    from rknpu_helpers import CHUNK, CONTEXT
+    from rknpu_fakes import CHUNK, CONTEXT
 
     from flashnext.core.loader import load_model
     from flashnext.plugins.rknpu.export import export

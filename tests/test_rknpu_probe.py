@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from rknpu_helpers import fake_rknnlite
+from rknpu_fakes import fake_rknnlite
 
 from flashnext.plugins.cpu import CpuBackend
 from flashnext.plugins.rknpu import RknpuBackend

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rknpu_helpers import FakeRKNNLite, converted_copy, fake_rknnlite
+from rknpu_fakes import FakeRKNNLite, converted_copy, fake_rknnlite
 from typer.testing import CliRunner
 
 from flashnext.core.cli import app

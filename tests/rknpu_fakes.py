@@ -1,5 +1,5 @@
-"""Shared by the rknpu tests: one tiny export a session, and a stand-in for rknn-toolkit-lite2's `rknnlite.api`
-with its real API (return codes, None on error) that runs the .onnx a fake .rknn file names."""
+"""Stand-ins for the rknpu tests: rknn-toolkit-lite2's `rknnlite.api` with its real API (return codes, None on
+error) running the .onnx a fake .rknn file names, and a converted copy of an exported folder."""
 
 import json
 import shutil
