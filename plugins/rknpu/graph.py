@@ -21,8 +21,8 @@ from flashnext.core.precision import Weight
 # Added to masked scores: far below any real score, yet finite in fp16 so a fully masked (padding) row stays a
 # uniform softmax rather than NaN.
 MASK_VALUE = -1.0e4
-# RMSNorm squares activations pre-scaled by this: mean((x*s)^2) stays inside fp16 for |x| up to ~16k, and
-# (x*s) / rms(x*s) == x / rms(x).
+# RMSNorm squares activations pre-scaled by this: each (x*s)^2 stays inside fp16 while |x| < 64 * sqrt(65504)
+# (about 16k), and (x*s) / rms(x*s) == x / rms(x).
 NORM_PRESCALE = 1.0 / 64.0
 
 
