@@ -77,6 +77,21 @@ class Backend:
         device cannot measure it; the engine then sizes the KV cache without a warm-up pass."""
         return None
 
+    def load_model(self, spec: str | None):
+        """The model a user names (folder, .gguf, HF id or None for the default), loaded by the core's loader; a
+        backend that runs graphs exported ahead of time reads its own folders here."""
+        from .loader import load_model
+
+        return load_model(spec)
+
+    def build_model(self, loaded, precision: Precision, profile: Profile, quantized_head: bool):
+        """What the runner runs: the core's DecoderModel on this backend's device and kernels, or a backend's own
+        model with the same `config`, `dtype` and `device` attributes (its runner_class then runs it)."""
+        from .model import DecoderModel
+
+        return DecoderModel(loaded.config, loaded.weights, self.kernels(precision), precision, self.device(),
+                            self.activation_dtype(precision), self.head_dtype(precision), quantized_head)
+
     def runner_class(self, profile: Profile):
         from .engine.runner import ModelRunner
 

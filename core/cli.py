@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from .cli_conformance import conformance
+from .cli_export import export
 from .cli_serve import serve
 from .errors import FlashnextError
 from .threads import HELP as THREADS_HELP, threads_text
@@ -270,6 +271,7 @@ def bench(
 # (tests/test_cli_startup.py holds every command's --help to that). Adding one: an import above, a line here.
 app.command()(friendly_errors(serve))
 app.command()(friendly_errors(conformance))
+app.command()(friendly_errors(export))
 
 
 def main():

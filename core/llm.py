@@ -9,7 +9,7 @@ from . import progress, registry
 from .engine.engine import LLMEngine
 from .engine.sequence import SamplingParams, Sequence
 from .errors import UserError
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel
 from .profile import Profile, env_overrides
 from .threads import ThreadChoice, apply_threads, choose_threads
 
@@ -59,7 +59,7 @@ class LLM:
         settings = resolve_profile(entry.backend, profile, profile_overrides)
         self.threads: ThreadChoice = choose_threads(settings.threads)
         apply_threads(self.threads)
-        self.loaded = model if isinstance(model, LoadedModel) else self._load(model)
+        self.loaded = model if isinstance(model, LoadedModel) else self._load(entry.backend, model)
         self.tokenizer = self.loaded.tokenizer
         self.loaded = within_context(self.loaded, settings.max_model_len)
         with progress.stage(f"preparing weights for {entry.name}") as advance:
@@ -83,9 +83,9 @@ class LLM:
         return seconds
 
     @staticmethod
-    def _load(model: str | None) -> LoadedModel:
+    def _load(backend, model: str | None) -> LoadedModel:
         with progress.stage("loading model") as advance:
-            loaded = load_model(model)
+            loaded = backend.load_model(model)
             advance(loaded.name)
         return loaded
 

@@ -48,12 +48,16 @@ class Profile(BaseModel):
     # backends that check clocks before serving read it (in check_request).
     strict_clocks: bool = False
     threads: int | None = Field(default=None, ge=1, le=1024)  # torch CPU threads; None: the idle cores (threads.py)
+    # A backend whose graphs are built for short answers caps max_tokens a request: above it, "clamp" runs to the
+    # cap (finish_reason "length") and "refuse" rejects the request with the reason.
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    max_tokens_over_cap: Literal["clamp", "refuse"] = "clamp"
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""
         data = self.model_dump() | {k: v for k, v in changes.items() if v is not None}
         try:
-            return Profile(**data)
+            return type(self)(**data)  # a backend's Profile subclass keeps its own fields
         except ValidationError as exc:
             err = exc.errors()[0]
             field = ".".join(str(p) for p in err["loc"])

@@ -40,3 +40,15 @@ def tiny_random():
         return random_model("tiny-test", torch.device("cpu"))
     finally:
         del SHAPES["tiny-test"]
+
+
+@pytest.fixture(scope="session")
+def rknpu_export(tiny_llama, tmp_path_factory):
+    """The tiny Llama exported for rk3588 (int4, batch 4, chunk 16, context 128), checked; (folder, manifest)."""
+    from rknpu_fakes import CHUNK, CONTEXT
+
+    from flashnext.core.loader import load_model
+    from flashnext.plugins.rknpu.export import export
+
+    out = tmp_path_factory.mktemp("rknpu-tiny")
+    return out, export(load_model(str(tiny_llama)), out, chunk=CHUNK, context=CONTEXT)

@@ -7,7 +7,7 @@ import torch
 from ..backend import Backend, declares
 from ..errors import UserError
 from ..loader import LoadedModel
-from ..model import DecoderModel, weight_bytes
+from ..model import weight_bytes
 from ..precision import PRECISIONS
 from ..profile import Profile
 from ..spec.decoder import SpecDecoder, SpecStats
@@ -35,18 +35,10 @@ class LLMEngine:
         self.backend, self.profile, self.config = backend, profile, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self._refuse_weights_past_free_memory(backend, loaded)
-        self.model = DecoderModel(
-            loaded.config,
-            loaded.weights,
-            backend.kernels(self.precision),
-            self.precision,
-            backend.device(),
-            backend.activation_dtype(self.precision),
-            backend.head_dtype(self.precision),
-            self._quantized_head(backend, profile),
-        )
-        self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
+        # The model's own config: an exported graph's context may be shorter than the checkpoint's.
+        limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(profile.max_model_len or limit, limit)
         self.kv_dtype = self._kv_dtype()
         runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
@@ -144,11 +136,23 @@ class LLMEngine:
             )
         if len(prompt_ids) > self.blocks.num_blocks * self.blocks.block_size:
             raise UserError("the prompt does not fit the KV cache; raise the memory budget or shorten the prompt")
+        params = self._capped(params)
         chunked = self.profile.chunked_prefill if chunked_prefill is None else chunked_prefill and self.profile.chunked_prefill
         seq = Sequence(list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked,
                        spec_enabled=spec_enabled)
         self.scheduler.add(seq)
         return seq
+
+    def _capped(self, params: SamplingParams) -> SamplingParams:
+        """max_tokens within the profile's max_tokens_cap: clamped (the request then ends with "length") or
+        refused, as the profile's max_tokens_over_cap says."""
+        cap = self.profile.max_tokens_cap
+        if cap is None or params.max_tokens <= cap:
+            return params
+        if self.profile.max_tokens_over_cap == "refuse":
+            raise UserError(f"max_tokens {params.max_tokens} is above the {cap} a request of backend "
+                            f"'{self.backend.name}' (profile '{self.profile.name}', max_tokens_cap); ask for at most {cap}")
+        return params.model_copy(update={"max_tokens": cap})
 
     def abort(self, seq: Sequence) -> None:
         """Cancel a request and free its blocks at once."""

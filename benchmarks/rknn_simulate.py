@@ -1,0 +1,124 @@
+"""Convert an exported rk3588 folder with rknn-toolkit2 and compare its simulator with onnxruntime, greedily.
+
+Run through benchmarks/rknn_simulate.sh (it makes the toolkit's venv). For each graph: RKNN().config(rk3588),
+load_onnx, build(do_quantization=False) (fp16 on the NPU), export_rknn, init_runtime() with no target, which is
+the simulator (it runs only a model built in the same process). Then one prompt runs through the prefill graph and
+--steps greedy tokens through the decode graph on both, and the script prints and writes (--json) the tokens,
+the logits' NMSE and the times.
+
+    python benchmarks/rknn_simulate.py EXPORTED_FOLDER [OUT_FOLDER] [--steps 32] [--json PATH]
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class SimulatorSession:
+    """A built RKNN object in the simulator, with OnnxSession's interface; checks every return code."""
+
+    def __init__(self, rknn, name: str):
+        self.rknn, self.name = rknn, name
+
+    def run(self, inputs):
+        outputs = self.rknn.inference(inputs=inputs, data_format=["nchw"] * len(inputs))
+        if outputs is None:
+            raise RuntimeError(f"{self.name}: simulator inference returned None")
+        return outputs
+
+    def release(self):
+        self.rknn.release()
+
+
+def convert(onnx_path: Path, rknn_path: Path):
+    from rknn.api import RKNN
+
+    rknn = RKNN(verbose=False)
+    steps = [("config", lambda: rknn.config(target_platform="rk3588")),
+             ("load_onnx", lambda: rknn.load_onnx(model=str(onnx_path))),
+             ("build", lambda: rknn.build(do_quantization=False)),
+             ("export_rknn", lambda: rknn.export_rknn(str(rknn_path))),
+             ("init_runtime", lambda: rknn.init_runtime())]
+    for name, call in steps:
+        code = call()
+        if code not in (0, None):
+            sys.exit(f"{onnx_path.name}: {name} returned {code}")
+    return rknn
+
+
+def nmse(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(((got - want) ** 2).sum() / max((want**2).sum(), 1e-30))
+
+
+def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    logits = [model.prefill(0, prompt, 0)[-1]]
+    tokens = [int(logits[-1].argmax())]
+    for i in range(steps - 1):
+        logits.append(model.decode({0: (tokens[-1], len(prompt) + i)})[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import rknn.api
+
+    from flashnext.plugins.rknpu.runtime import StaticModel
+
+    out = args.out or args.folder.with_name(args.folder.name + "-rknn")
+    if out != args.folder:
+        shutil.copytree(args.folder, out, dirs_exist_ok=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    version = getattr(rknn.api, "__version__", None) or _toolkit_version()
+    sessions, build_s = {}, {}
+    for name, graph in manifest["graphs"].items():
+        start = time.perf_counter()
+        sessions[name] = SimulatorSession(convert(out / graph["onnx"], out / f"{name}.rknn"), name)
+        build_s[name] = round(time.perf_counter() - start, 1)
+        graph["rknn"] = f"{name}.rknn"
+    manifest["toolkit"] = f"rknn-toolkit2 {version} (target rk3588, do_quantization=False: fp16)"
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    reference = StaticModel.open(out, "onnxruntime")
+    simulated = StaticModel(reference.config, reference.embed, sessions, manifest)
+    prompt = [int(t) for t in np.arange(3, 3 + manifest["chunk"] + manifest["chunk"] // 2) % reference.config.vocab_size]
+    start = time.perf_counter()
+    want, want_logits = greedy(reference, prompt, args.steps)
+    onnx_s = time.perf_counter() - start
+    start = time.perf_counter()
+    got, got_logits = greedy(simulated, prompt, args.steps)
+    sim_s = time.perf_counter() - start
+    same_prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    report = {
+        "folder": str(out), "toolkit": manifest["toolkit"], "build_s": build_s, "prompt_tokens": len(prompt),
+        "steps": args.steps, "onnxruntime_tokens": want, "simulator_tokens": got,
+        "tokens_equal": sum(a == b for a, b in zip(got, want)), "first_difference": same_prefix,
+        "first_logits_nmse": nmse(got_logits[0], want_logits[0]),
+        "logits_nmse_over_equal_prefix": nmse(np.stack(got_logits[:same_prefix + 1]),
+                                              np.stack(want_logits[:same_prefix + 1])),
+        "onnxruntime_s": round(onnx_s, 2), "simulator_s": round(sim_s, 2),
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def _toolkit_version() -> str:
+    from importlib.metadata import version
+
+    return version("rknn-toolkit2")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The RK3588 NPU backend: runs decoder graphs exported ahead of time (`flashnext export --target rk3588`), on the
+NPU through rknn-toolkit-lite2 or, where there is none, through onnxruntime on the CPU."""
+
+import importlib.util
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import psutil
+
+from flashnext.core.backend import Backend, Probe
+from flashnext.core.errors import UserError
+from flashnext.core.hookspecs import hookimpl
+from flashnext.core.loader import LoadedModel
+from flashnext.core.profile import Profile
+from flashnext.core.tokenizer import Tokenizer
+
+from . import probe as board
+from .runtime import CORE_MASKS, MANIFEST, StaticModel, StaticRunner, read_manifest
+
+MAX_SEQS = 4  # the graphs' batch: more concurrent requests queue
+MAX_TOKENS = 64  # a request's answer on the board
+FP8_REFUSAL = ("backend 'rknpu' does not run {precision}: RK3588's NPU has no FP8 type and FP8 work falls back to "
+               "the CPU at ~17x the latency; use --precision int4 (default) or fp16")
+
+
+class NpuProfile(Profile):
+    """The core's knobs plus where the graphs run: `runtime` rknnlite (the NPU, cores `npu_cores`) or
+    onnxruntime (the CPU)."""
+
+    runtime: Literal["rknnlite", "onnxruntime"] = "onnxruntime"
+    npu_cores: Literal["auto", "0", "1", "2", "0_1", "0_1_2"] = "0_1_2"
+
+
+@dataclass
+class ExportedModel(LoadedModel):
+    folder: Path = Path()
+    manifest: dict = field(default_factory=dict)
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class RknpuBackend(Backend):
+    name = "rknpu"
+    precisions = ("int4", "fp16")
+    default_precision = "int4"
+    features = {
+        "cuda_graphs": False,
+        "chunked_prefill": True,  # in the prefill graph's chunk
+        "prefix_caching": False,  # the cache is a slot a sequence, not shared blocks
+        "spec_decode": False,
+        "fp8_kv_cache": False,
+    }
+
+    export_targets = ("rk3588",)
+
+    def __init__(self, root: Path = Path("/"), rknnlite=None):
+        self.root, self.rknnlite = root, rknnlite  # rknnlite: the module, where tests hand in a stand-in
+
+    def export(self, target: str, loaded, out: Path, **options) -> dict:
+        from .export import export
+
+        return export(loaded, out, target=target, **options)
+
+    def runtime(self, facts: dict) -> str | None:
+        if facts["soc"] and facts["librknnrt"] and (self.rknnlite is not None or _has("rknnlite")):
+            return "rknnlite"
+        return "onnxruntime" if _has("onnxruntime") else None
+
+    def probe(self) -> Probe:
+        facts = board.board_facts(self.root)
+        facts["runtime"] = runtime = self.runtime(facts)
+        facts["default_profile"] = self.default_profile
+        chip = facts["soc"]
+        if runtime == "rknnlite":
+            return Probe(True, 3.0, f"{chip.upper()} NPU through rknn-toolkit-lite2 and {facts['librknnrt']}: "
+                                    "runs folders made by `flashnext export --target rk3588`", facts)
+        if runtime == "onnxruntime":
+            why = (f"{chip.upper()} found but no NPU runtime (librknnrt.so in /usr/lib and rknn-toolkit-lite2)"
+                   if chip else "no RK3588 here")
+            return Probe(True, 0.5, f"{why}: exported graphs run through onnxruntime on the CPU (for checks, not "
+                                    "speed; below cpu for auto)", facts)
+        return Probe(False, 0.0, "no RK3588 NPU runtime and no onnxruntime: pip install 'flashnext[rknpu]'", facts)
+
+    def profiles(self) -> dict[str, Profile]:
+        base = dict(chunked_prefill=True, prefix_caching=False, max_num_seqs=MAX_SEQS, max_num_batched_tokens=32,
+                    max_tokens_cap=MAX_TOKENS)
+        npu = NpuProfile(name="npu", runtime="rknnlite", **base)
+        onnx = NpuProfile(name="onnxruntime", runtime="onnxruntime", **base)
+        default = npu if self.runtime(board.board_facts(self.root)) == "rknnlite" else onnx
+        return {default.name: default, **{p.name: p for p in (npu, onnx)}, "basic": default.basic()}
+
+    def check_request(self, precision, profile):
+        if isinstance(precision, str) and precision.startswith("fp8"):
+            raise UserError(FP8_REFUSAL.format(precision=precision))
+        if profile.max_num_seqs > MAX_SEQS:
+            raise UserError(f"max_num_seqs {profile.max_num_seqs}: the RK3588 graphs run at most {MAX_SEQS} "
+                            f"sequences (more requests queue); set FLASHNEXT_MAX_NUM_SEQS={MAX_SEQS} or less")
+        return super().check_request(precision, profile)
+
+    def preferred_precision(self, weights: dict) -> str:
+        return getattr(self, "_folder_precision", None) or self.default_precision
+
+    def free_memory_bytes(self) -> int:
+        return psutil.virtual_memory().available
+
+    def runner_class(self, profile):
+        return StaticRunner
+
+    def load_model(self, spec):
+        folder = Path(spec) if spec else None
+        if folder is None or not (folder / MANIFEST).is_file():
+            self._folder_precision = None
+            return super().load_model(spec)  # exported on the fly by build_model (onnxruntime only)
+        manifest = read_manifest(folder)
+        from flashnext.core.config import ModelConfig
+
+        config = ModelConfig(**json.loads((folder / "config.json").read_text()))
+        self._folder_precision = manifest["precision"]
+        return ExportedModel(config=config, weights={}, tokenizer=Tokenizer.from_hf_folder(folder),
+                             source=str(folder), name=manifest.get("model") or folder.name, folder=folder,
+                             manifest=manifest)
+
+    def build_model(self, loaded, precision, profile, quantized_head):
+        runtime = getattr(profile, "runtime", "onnxruntime")
+        mask = CORE_MASKS[getattr(profile, "npu_cores", "auto")]
+        if isinstance(loaded, ExportedModel):
+            if precision.name != loaded.manifest["precision"]:
+                raise UserError(f"{loaded.folder}: exported as {loaded.manifest['precision']}, not {precision.name};"
+                                f" export again with --precision {precision.name} or leave --precision out")
+            if loaded.manifest["batch"] < profile.max_num_seqs:
+                raise UserError(f"{loaded.folder}: its graphs take {loaded.manifest['batch']} sequences; set "
+                                f"FLASHNEXT_MAX_NUM_SEQS={loaded.manifest['batch']} or export with --batch "
+                                f"{profile.max_num_seqs}")
+            return StaticModel.open(loaded.folder, runtime, mask, self.rknnlite)
+        if runtime == "rknnlite":
+            raise UserError(f"{loaded.source}: the NPU runs folders exported ahead of time: `flashnext export "
+                            f"--target rk3588 --model {loaded.source} --out DIR` on a PC, then --model DIR")
+        return self._export_and_open(loaded, precision.name, profile)
+
+    def _export_and_open(self, loaded, precision: str, profile) -> StaticModel:
+        """A checkpoint given directly: exported into a temporary folder and opened with onnxruntime (which keeps
+        everything in memory, so the folder can go)."""
+        from .export import export
+
+        limit = loaded.config.max_position_embeddings
+        context = min(profile.max_model_len or limit, limit)
+        with tempfile.TemporaryDirectory(prefix="flashnext-rknpu-") as folder:
+            export(loaded, Path(folder), precision=precision, batch=profile.max_num_seqs,
+                   chunk=min(32, context), context=context, check=False)
+            return StaticModel.open(Path(folder), "onnxruntime")
+
+
+@hookimpl
+def register_backends(register):
+    register(RknpuBackend())
