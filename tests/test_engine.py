@@ -347,3 +347,12 @@ def test_stops_at_agrees_with_the_stop_list_the_device_runner_takes(ignore_eos):
         assert params.stops_at(token, eos) == (token in params.stop_ids(eos))
     assert params.stops_at(9, eos) != ignore_eos and params.stops_at(1, eos) != ignore_eos
     assert not params.stops_at(4, eos)
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**63), ("top_k", 10**30), ("max_tokens", 2**40),
+                                          ("seed", 2**64), ("seed", -(2**64))])
+def test_sampling_params_refuse_values_past_the_samplers_int64(field, value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**{field: value})

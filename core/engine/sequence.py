@@ -17,9 +17,10 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    max_tokens: int = Field(default=256, ge=1)
-    seed: int | None = None
+    # Upper bounds keep every value inside the int64 tensors the samplers take (a larger top_k means "no limit").
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)
+    max_tokens: int = Field(default=256, ge=1, le=2**31 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
 
