@@ -59,16 +59,16 @@ def test_run_takes_one_time_warm_up_out_of_ttft_and_decode_speed(tiny_llama, mon
     """A runner's one-time work inside steps (CUDA: graph captures) is reported as warm_up_s, not as slow decode."""
     from flashnext.core.engine.runner import ModelRunner
 
-    real_run, steps = ModelRunner.run, []
+    real_step, steps = ModelRunner.step, []
 
-    def run(self, batch):
-        steps.append(len(batch))
+    def step(self, inputs):
+        steps.append(len(inputs.batch))
         if len(steps) == 2:  # the first decode step does 0.3 s of one-time work
             time.sleep(0.3)
             self.warm_up_s += 0.3
-        return real_run(self, batch)
+        return real_step(self, inputs)
 
-    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(ModelRunner, "step", step)
     result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6",
                     "--json")
     assert result.exit_code == 0, result.stderr
@@ -95,10 +95,10 @@ def test_running_out_of_device_memory_is_one_line_with_the_settings_to_lower(tin
 
     kind, text = raised.split(": ", 1)
 
-    def run(self, batch):
+    def step(self, inputs):
         raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(text)
 
-    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(ModelRunner, "step", step)
     result = invoke("run", "hello", "--model", str(tiny_llama), "--backend", "cpu")
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"error: {said} lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "

@@ -2,18 +2,16 @@
 
 from dataclasses import dataclass
 
-import torch
-
-from ..backend import Backend
+from ..backend import Backend, wants_quantized_head
 from ..errors import UserError
 from ..loader import LoadedModel
-from ..model import DecoderModel, weight_bytes
+from ..model import weight_bytes
 from ..precision import PRECISIONS
 from ..profile import Profile
 from ..spec.decoder import SpecDecoder, SpecStats
 from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
-from .runner import ModelRunner
+from .runner import Runner, RunnerSetup, StepInput
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SamplingParams, Sequence, Status
 
@@ -29,42 +27,57 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
-        self.backend, self.profile, self.config = backend, profile, loaded.config
+        self.backend, self.config = backend, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
-        self._refuse_weights_past_free_memory(backend, loaded)
-        self.model = DecoderModel(
-            loaded.config,
-            loaded.weights,
-            backend.kernels(self.precision),
-            self.precision,
-            backend.device(),
-            backend.activation_dtype(self.precision),
-            backend.head_dtype(self.precision),
-            self._quantized_head(backend, profile),
-        )
+        self.profile = profile = self._within_capabilities(profile)
+        if not backend.capabilities.unified_memory:
+            self._refuse_weights_past_free_memory(backend, loaded)
+        self._check_quantized_head(backend, profile)
+        self.model = backend.load_model(loaded, self.precision, profile)
         self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.kv_dtype = self._kv_dtype()
+        self.kv_dtype = self.model.dtype if profile.kv_cache_dtype == "auto" else \
+            PRECISIONS[profile.kv_cache_dtype].storage_dtype
         runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
             block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
-        num_blocks = self._num_blocks(block_bytes, self._activation_peak())
-        self.runner = runner_class(self.model, num_blocks, profile.block_size, self.kv_dtype)
+        num_blocks = self._num_blocks(block_bytes, self._activation_peak(runner_class))
+        self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+        setup = RunnerSetup(num_blocks, profile.block_size, self.kv_dtype, frozenset(self.eos_ids))
+        self.runner: Runner = runner_class(self.model, setup)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
         self.spec = None if profile.spec == "none" else SpecDecoder(
             profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
-            runner_drafts=self.runner.drafts_itself)
-        self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
-        self.runner.eos_ids = frozenset(self.eos_ids)
+            device_drafter=self.runner.device_drafter)
+
+    def _within_capabilities(self, profile: Profile) -> Profile:
+        """The profile bounded by the backend's declared limits: a static-shape backend's batch, prompt chunk and
+        context, a maximum concurrency or request length. Requests past them queue or are refused, never fail."""
+        caps = self.backend.capabilities
+        shapes = caps.static_shapes
+        limits = {
+            "max_num_seqs": [caps.max_concurrency, shapes and shapes.batch],
+            "max_model_len": [caps.max_tokens_per_request, shapes and shapes.max_context],
+            # One sequence's prompt piece fits the fixed chunk when the whole step's budget does.
+            "max_num_batched_tokens": [shapes and shapes.prefill_chunk],
+        }
+        changes = {}
+        for name, bounds in limits.items():
+            bounds = [b for b in bounds if b]
+            if bounds:
+                current = getattr(profile, name)
+                changes[name] = min([current, *bounds]) if current is not None else min(bounds)
+        if shapes:  # prompts longer than the chunk are always cut into chunks
+            changes["chunked_prefill"] = True
+        # Limits set by hardware may be under the profile's own floors (a 16-token budget): applied unvalidated.
+        return profile.model_copy(update=changes) if changes else profile
 
     def _refuse_weights_past_free_memory(self, backend: Backend, loaded: LoadedModel) -> None:
         """Weights bound for an accelerator that cannot hold them are refused up front, with their sizes in the
         precisions that would fit, rather than failing out of memory half way through the load. (On the CPU they
-        are in this memory already.)"""
-        if backend.device().type == "cpu":
-            return
+        are in this memory already where the device computes from host memory.)"""
         free = backend.free_memory_bytes()
 
         def need(precision) -> int:
@@ -85,25 +98,14 @@ class LLMEngine:
         raise UserError(f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
                         f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
 
-    def _kv_dtype(self) -> torch.dtype:
-        name = self.profile.kv_cache_dtype
-        if name == "auto":
-            return self.model.dtype
-        if name.startswith("fp8") and not self.backend.features.get("fp8_kv_cache"):
-            raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
-        return PRECISIONS[name].storage_dtype
-
-    def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
-        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision): the
-        head then takes self.precision.head."""
-        if not profile.quantize_lm_head or self.precision.bits >= 16:
-            return False
-        if not backend.quantized_head(self.precision):
+    def _check_quantized_head(self, backend: Backend, profile: Profile) -> None:
+        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision) needs
+        a backend that can keep the head in self.precision.head."""
+        if wants_quantized_head(profile, self.precision) and not backend.quantized_head(self.precision):
             raise UserError(f"backend '{backend.name}' cannot keep the LM head of {self.precision.name} weights in "
                             f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
-        return True
 
-    def _activation_peak(self) -> int:
+    def _activation_peak(self, runner_class) -> int:
         """Peak memory of a full-budget prefill, measured by a warm-up pass over a throwaway cache."""
         tokens = min(self.profile.max_num_batched_tokens, self.max_model_len - 1)
         blocks = -(-tokens // self.profile.block_size)
@@ -111,16 +113,15 @@ class LLMEngine:
         def warm_up():  # its one-prompt cache counts in the peak too: a slightly conservative budget
             seq = Sequence([i % self.config.vocab_size for i in range(tokens)], SamplingParams(max_tokens=1))
             seq.block_table = list(range(blocks))
-            ModelRunner(self.model, blocks, self.profile.block_size, self.kv_dtype).run([ScheduledSeq(seq, tokens, 1)])
+            runner = runner_class(self.model, RunnerSetup(blocks, self.profile.block_size, self.kv_dtype))
+            runner.step(StepInput([ScheduledSeq(seq, tokens, 1)]))
 
         return self.backend.peak_memory_bytes(warm_up) or 0
 
     def _num_blocks(self, block_bytes: int, activation_peak: int = 0) -> int:
         """Blocks that fit the memory budget (after the warm-up's activation peak), but no more than the
         configured batch could ever use."""
-        budget = self.backend.free_memory_bytes() * self.profile.memory_utilization - activation_peak
-        if self.profile.kv_cache_max_gib is not None:
-            budget = min(budget, self.profile.kv_cache_max_gib * GIB)
+        budget = self.backend.kv_budget_bytes(self.profile, activation_peak)
         useful = self.profile.max_num_seqs * -(-self.max_model_len // self.profile.block_size)
         num_blocks = min(int(budget // block_bytes), useful)
         if num_blocks < 1:
@@ -160,13 +161,12 @@ class LLMEngine:
         if not batch:
             return []
         starts = [item.seq.num_computed for item in batch]
-        self.runner.last_hidden = None  # a runner that replays look-ahead tokens runs no model and leaves it None
-        _, sampled = self.runner.run(batch)
-        outputs = self._postprocess(batch, sampled.tolist())
+        result = self.runner.step(StepInput(batch, want_hidden=self.profile.spec == "mtp"))
+        outputs = self._postprocess(batch, result.sampled.tolist())
         if self.runner.lookahead_tokens:
             self._keep_lookahead(batch)
         if self.spec:
-            self.spec.after_step(batch, starts, self.runner.last_hidden)
+            self.spec.after_step(batch, starts, result.hidden)
         return outputs
 
     def _keep_lookahead(self, batch: list[ScheduledSeq]) -> None:
@@ -210,8 +210,7 @@ class LLMEngine:
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
-        runner = self.runner.spec_stats()  # a runner that drafts and verifies by itself counts its own
-        return runner if runner is not None else (self.spec.stats if self.spec else SpecStats()).as_dict()
+        return (self.spec.counters() if self.spec else SpecStats()).as_dict()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.params.stops_at(seq.token_ids[-1], self.eos_ids):
