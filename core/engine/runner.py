@@ -8,7 +8,7 @@ tokens_left, spec_enabled) and never writes them.
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +52,6 @@ class RunnerStats:
     # One-time work done inside steps so far (graph captures, with kernel compiles in their warm-ups): a report of
     # decode speed leaves it out and names it, as it does the load time.
     warm_up_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Runner(ABC):

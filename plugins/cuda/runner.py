@@ -35,13 +35,12 @@ from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
-from flashnext.core.spec.decoder import SpecStats, accepted_length
-from flashnext.core.spec.drafter import NGRAM_RULE
+from flashnext.core.spec.decoder import accepted_length
 from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import (GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS,
-                      argmax_chunks)
+from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
+from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -112,32 +111,6 @@ def _has_earlier_copy(history: np.ndarray, start: int) -> np.ndarray:
     valid = ends >= 0
     found = first[np.searchsorted(unique, grams[np.maximum(ends, 0)])]
     return valid & (found < ends)
-
-
-class DeviceNgramDrafter:
-    """The spec graphs' drafter (core.spec.drafter.DeviceDrafter): NgramRule's prompt lookup and the engine's
-    acceptance rule as Triton kernels, run inside each captured verify step; its counters in the engine's shape."""
-
-    method = "ngram"
-    rule = NGRAM_RULE
-
-    def __init__(self, kernels, k: int):
-        self.kernels, self.k = kernels, k
-        self.totals = np.zeros(SPEC_STAT_FIELDS + k, dtype=np.int64)  # see _spec_accept_kernel
-
-    def draft(self, state: tuple, rows: tuple, tables: torch.Tensor, block_size: int) -> None:
-        """Up to k drafts a sequence from its device history, written as its verify rows' inputs."""
-        self.kernels.spec_draft(state, rows, tables, block_size, self.k, self.rule.min_n, self.rule.max_n)
-
-    def accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops) -> None:
-        """Drafts up to the first that differs from the target's sample, then the sample, onto the history."""
-        self.kernels.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, stops, self.k)
-
-    def stats(self) -> SpecStats:
-        """drafts counts the verify steps that carried a draft (a step whose history had no n-gram to copy
-        verified none), as the engine's own drafter counts."""
-        drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
-        return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
 
 @dataclass
