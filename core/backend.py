@@ -81,7 +81,8 @@ class Capabilities(BaseModel):
             prefix_caching=flags.pop("prefix_caching", False),
             drafters=("ngram", "mtp") if flags.pop("spec_decode", False) else (),
             kv_dtypes=(FP8_KV if flags.pop("fp8_kv_cache", False) else ()) + WIDE_KV,
-            extra=flags,
+            unified_memory=flags.pop("unified_memory", False),
+            extra={k: v for k, v in flags.items() if k != "static_shapes"},  # a flag cannot say which shapes
         )
 
 
@@ -91,6 +92,13 @@ class Probe:
     score: float  # higher wins `--backend auto`; 0 when unavailable
     reason: str  # one human sentence: why (un)available
     facts: dict = field(default_factory=dict)  # device name, memory, capability...
+
+
+class _Features:
+    """A backend's `features` (read on the class or an instance): the flat flags derived from its capabilities."""
+
+    def __get__(self, backend, cls) -> dict[str, bool]:
+        return cls.capabilities.features()
 
 
 class Backend:
@@ -109,9 +117,7 @@ class Backend:
             cls.capabilities = Capabilities.from_features(declared)
             del cls.features
 
-    @property
-    def features(self) -> dict[str, bool]:
-        return self.capabilities.features()
+    features = _Features()
 
     def probe(self) -> Probe:
         raise NotImplementedError
@@ -151,15 +157,14 @@ class Backend:
         """The precision used when none is asked for; may depend on how the checkpoint is stored."""
         return self.default_precision
 
-    def load_model(self, loaded, precision: Precision, profile: Profile):
+    def build_model(self, loaded, precision: Precision, profile: Profile, quantized_head: bool):
         """The model the runner steps, built from the loaded checkpoint. Default: a DecoderModel on this backend's
         kernels. A backend that owns its whole forward pass (graphs compiled ahead of time) returns its own object;
         the engine reads only `config`, `device` and `dtype` (the activation dtype, the KV cache's "auto") of it."""
         from .model import DecoderModel
 
         return DecoderModel(loaded.config, loaded.weights, self.kernels(precision), precision, self.device(),
-                            self.activation_dtype(precision), self.head_dtype(precision),
-                            wants_quantized_head(profile, precision))
+                            self.activation_dtype(precision), self.head_dtype(precision), quantized_head)
 
     def runner_class(self, profile: Profile):
         """A class implementing core.engine.runner.Runner; default the generic ModelRunner over a DecoderModel."""
@@ -220,11 +225,6 @@ class Backend:
             raise UserError(f"backend '{self.name}' has no {profile.kv_cache_dtype} KV cache; use --kv-cache-dtype"
                             " auto")
         return PRECISIONS[precision]
-
-
-def wants_quantized_head(profile: Profile, precision: Precision) -> bool:
-    """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision)."""
-    return profile.quantize_lm_head and precision.bits < 16
 
 
 def incompatibility(backend: Backend) -> str | None:

@@ -161,3 +161,16 @@ def test_in_tree_features_json_is_derived_from_the_typed_capabilities():
     assert cpu == {"cuda_graphs": False, "chunked_prefill": True, "prefix_caching": True, "spec_decode": True,
                    "fp8_kv_cache": True, "static_shapes": False, "unified_memory": True}
     assert cuda["cuda_graphs"] and cuda["spec_decode"] and cuda["int4_weights"] and not cuda["unified_memory"]
+
+
+def test_a_features_dict_built_from_a_parents_features_maps_back_to_its_capabilities():
+    """A plugin that extends an in-tree backend's flags as a dict (read on the class) keeps that backend's
+    capabilities and adds its own flags."""
+    from flashnext.plugins.cpu import CpuBackend
+
+    class Derived(CpuBackend):
+        features = CpuBackend.features | {"own_attention": True}
+
+    caps = Derived.capabilities
+    assert caps.unified_memory and caps.chunked_prefill and caps.drafters == ("ngram", "mtp")
+    assert Derived().features == CpuBackend().features | {"own_attention": True}

@@ -1,5 +1,5 @@
 """A backend that owns its whole forward pass with static shapes (graphs exported ahead of time, as an NPU runs
-them: fixed batch 4, fixed prompt chunk, fixed context) fits the contract: its own load_model and runner, through
+them: fixed batch 4, fixed prompt chunk, fixed context) fits the contract: its own build_model and runner, through
 the real engine and scheduler."""
 
 import numpy as np
@@ -40,7 +40,7 @@ def reference_greedy(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class StaticModel:
-    """What load_model gives: no DecoderModel, only what the engine reads (config, device, dtype)."""
+    """What build_model gives: no DecoderModel, only what the engine reads (config, device, dtype)."""
 
     def __init__(self, config: ModelConfig):
         self.config, self.device, self.dtype = config, torch.device("cpu"), torch.float32
@@ -100,7 +100,7 @@ class StaticBackend(Backend):
     def free_memory_bytes(self) -> int:
         return 1 << 30
 
-    def load_model(self, loaded, precision, profile):
+    def build_model(self, loaded, precision, profile, quantized_head):
         return StaticModel(loaded.config)
 
     def runner_class(self, profile):

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from ..backend import Backend, wants_quantized_head
+from ..backend import Backend
 from ..errors import UserError
 from ..loader import LoadedModel
 from ..model import weight_bytes
@@ -32,8 +32,7 @@ class LLMEngine:
         self.profile = profile = self._within_capabilities(profile)
         if not backend.capabilities.unified_memory:
             self._refuse_weights_past_free_memory(backend, loaded)
-        self._check_quantized_head(backend, profile)
-        self.model = backend.load_model(loaded, self.precision, profile)
+        self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
         self.max_model_len = min(profile.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.kv_dtype = self.model.dtype if profile.kv_cache_dtype == "auto" else \
@@ -98,12 +97,15 @@ class LLMEngine:
         raise UserError(f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
                         f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
 
-    def _check_quantized_head(self, backend: Backend, profile: Profile) -> None:
-        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision) needs
-        a backend that can keep the head in self.precision.head."""
-        if wants_quantized_head(profile, self.precision) and not backend.quantized_head(self.precision):
+    def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
+        """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision): the
+        head then takes self.precision.head."""
+        if not profile.quantize_lm_head or self.precision.bits >= 16:
+            return False
+        if not backend.quantized_head(self.precision):
             raise UserError(f"backend '{backend.name}' cannot keep the LM head of {self.precision.name} weights in "
                             f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
+        return True
 
     def _activation_peak(self, runner_class) -> int:
         """Peak memory of a full-budget prefill, measured by a warm-up pass over a throwaway cache."""

@@ -1,6 +1,6 @@
 """The runner contract (a step in, a step result out) and the generic runner over a DecoderModel.
 
-The engine builds one runner from `Backend.runner_class(profile)` with the model `Backend.load_model` returned and
+The engine builds one runner from `Backend.runner_class(profile)` with the model `Backend.build_model` returned and
 a RunnerSetup, then calls `step` once per scheduled batch. Everything the two exchange is in these types: the engine
 never sets a runner's attributes, and reads it only through `step`, `stats`, `lookahead_tokens` and
 `device_drafter`. A runner reads the scheduled sequences (token_ids, num_computed, block_table, params, seed,
