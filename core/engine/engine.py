@@ -75,8 +75,8 @@ class LLMEngine:
 
     def _refuse_weights_past_free_memory(self, backend: Backend, loaded: LoadedModel) -> None:
         """Weights bound for an accelerator that cannot hold them are refused up front, with their sizes in the
-        precisions that would fit, rather than failing out of memory half way through the load. (On the CPU they
-        are in this memory already where the device computes from host memory.)"""
+        precisions that would fit, rather than failing out of memory half way through the load. (A device that
+        computes from host memory holds them already: the engine skips this for a unified-memory backend.)"""
         free = backend.free_memory_bytes()
 
         def need(precision) -> int:
