@@ -16,11 +16,11 @@ nothing): a "spec chunk" replays up to SPEC_CHUNK_STEPS verify steps in one roun
 sequence's own history (DeviceNgramDrafter, drafting.py: the NgramRule lookup in Triton), runs K + 1 query rows
 per sequence (each attending as a decode row of its own, so the numbers are decode's), samples every row, accepts
 the drafts up to the first that differs from the target's sample and appends the samples to the history. What
-comes back is a
-look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters stay on the
-device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec chunks or
-plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs
-eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
+comes back is a look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters
+stay on the device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec
+chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states,
+so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused
+kernels.
 """
 
 import math
