@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from flashnext.core.cli_bench import bench_rows, machine_name, random_model
-from flashnext.core.engine.runner import ModelRunner
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.kernels import ReferenceKernels
 from flashnext.core.llm import LLM
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import PRECISIONS
+from flashnext.plugins.cuda import CudaBackend
 
 SHAPE = "qwen3-0.6b"
 PROMPT, GEN = 256, 128
@@ -99,7 +100,7 @@ def numerics(loaded):
     out = {}
     ref_model = DecoderModel(loaded.config, loaded.weights, ReferenceKernels(), PRECISIONS["bf16"],
                              torch.device("cuda"), torch.bfloat16)
-    ref_logits = prompt_logits(ModelRunner(ref_model, 64, 16, torch.bfloat16), prompts, 16)
+    ref_logits = prompt_logits(ModelRunner(ref_model, RunnerSetup(64, 16, torch.bfloat16)), prompts, 16)
     del ref_model
     release()
     base = None
@@ -511,7 +512,7 @@ def main():
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    results["machine"] = machine_name(dev)
+    results["machine"] = machine_name(CudaBackend())
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     results["torch"] = torch.__version__
     if not args.skip_tests:

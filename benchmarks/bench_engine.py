@@ -130,7 +130,7 @@ def main(argv=None):
     assert all(r["seq"].finish_reason == "length" for r in records), "a request did not complete"
     result = {
         "bench": "engine_throughput",
-        "machine": machine_name(engine.model.device),
+        "machine": machine_name(engine.backend),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "flashnext_version": version("flashnext"),
         "backend": llm.info.backend,

@@ -113,7 +113,7 @@ def score_cases(argv, description: str, precision: str, cases: list[str], linear
             ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
         finally:
             CpuKernels.linear = CpuKernels_linear
-        rows.append({"case": case, "perplexity": ppl, "answers": answers, "machine": machine_name(model.device),
+        rows.append({"case": case, "perplexity": ppl, "answers": answers, "machine": machine_name(llm.engine.backend),
                      "tokens_a_passage": args.tokens, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
         print(f"{case:30s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
     if args.json_path:

@@ -31,6 +31,7 @@ from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import Fp8Weight, block_multipliers, fp8_block_weight, fp8_quantize  # noqa: E402
+from flashnext.plugins.cpu import CpuBackend  # noqa: E402
 
 BLOCK = (128, 128)
 
@@ -102,7 +103,7 @@ def main(argv=None):
     p.add_argument("--passages", type=int, default=1, help="consecutive passages of Hamlet, each scored apart")
     args = p.parse_args(argv)
     result = {"weights": weight_rows(), "text": text_rows(args.passages, args.tokens),
-              "machine": machine_name(torch.device("cpu")),
+              "machine": machine_name(CpuBackend()),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")

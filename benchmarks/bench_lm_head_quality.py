@@ -48,7 +48,7 @@ def main(argv=None):
         ids = llm.tokenizer.encode(text[text.index("ACT I."):])[:PASSAGE_TOKENS]
         answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
         rows.append({"case": label, "perplexity": perplexity(engine_logits(llm, ids), ids), "answers": answers,
-                     "head": type(llm.engine.model.lm_head).__name__, "machine": machine_name(llm.engine.model.device),
+                     "head": type(llm.engine.model.lm_head).__name__, "machine": machine_name(llm.engine.backend),
                      "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
         print(f"{label:24s} perplexity {rows[-1]['perplexity']:.3f}  {answers[0]!r}", flush=True)
     if args.json_path:

@@ -29,7 +29,7 @@ def measure(loaded, backend: str, precision: str) -> tuple[list[torch.Tensor], l
     logits = [engine_logits(llm, ids).cpu() for ids in prompts]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     greedy = [s.output_ids for s in llm.engine.generate(prompts, params)]
-    return logits, greedy, machine_name(llm.engine.model.device)
+    return logits, greedy, machine_name(llm.engine.backend)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashnext.core.cli_bench import machine_name
+from flashnext.core import registry
 
 
 def parse_args(argv=None):
@@ -225,7 +226,7 @@ def main(argv=None):
         if proc:
             proc.terminate()
             proc.wait(30)
-    row = {"machine": machine_name(torch.device("cuda" if health["backend"] != "cpu" else "cpu")),
+    row = {"machine": machine_name(registry.select(registry.discover(), health["backend"]).backend),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": health["backend"],
            "model": model, "precision": health["precision"], "profile": health["profile"],
            "num_requests": args.num_requests, "concurrency": args.concurrency, "prompt_len": args.prompt_len,

@@ -129,7 +129,7 @@ def bench_method(args, loaded, method: str) -> list[dict]:
               spec_tokens=args.spec_tokens, prefix_caching=False, **METHODS[method])
     prompts = prompt_sets(llm, random_weights=bool(args.shape), kinds=args.kinds.split(","))
     common = {
-        "machine": machine_name(llm.engine.model.device), "backend": llm.info.backend,
+        "machine": machine_name(llm.engine.backend), "backend": llm.info.backend,
         "model": args.shape or llm.info.model, "precision": llm.engine.precision.name,
         "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "ignore_eos": args.ignore_eos, "batch_size": 1,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),

@@ -13,6 +13,7 @@ from tokenizers import models
 from flashnext.core.backend import Backend, Probe
 from flashnext.core.config import ModelConfig
 from flashnext.core.engine.engine import LLMEngine
+from flashnext.core.engine.runner import StepInput
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.loader import LoadedModel
@@ -95,7 +96,7 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     try:
         if len(batch) != 1 or batch[0].num_tokens != len(prompt):
             raise AssertionError(f"expected the whole {len(prompt)}-token prompt in one step, got {batch}")
-        logits, _ = engine.runner.run([ScheduledSeq(seq, len(prompt), len(prompt))])
+        logits = engine.runner.step(StepInput([ScheduledSeq(seq, len(prompt), len(prompt))])).logits
         return logits.float().cpu()
     finally:
         engine.abort(seq)
@@ -131,14 +132,14 @@ class LogitTape:
 
     def __init__(self, engine: LLMEngine):
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
-        run = engine.runner.run
+        step = engine.runner.step
 
-        def recording(batch):
-            logits, sampled = run(batch)
-            self._keep(batch, logits)
-            return logits, sampled
+        def recording(inputs):
+            result = step(inputs)
+            self._keep(inputs.batch, result.logits)
+            return result
 
-        engine.runner.run = recording
+        engine.runner.step = recording
 
     def _keep(self, batch: list[ScheduledSeq], logits) -> None:
         if not isinstance(logits, torch.Tensor) or logits.shape[0] != sum(item.num_logits for item in batch):

@@ -199,7 +199,7 @@ def run(
 
 def _clock(llm) -> tuple[float, float]:
     """(now, the runner's one-time work so far): graph captures in the first steps are not decode speed."""
-    return time.perf_counter(), llm.engine.runner.warm_up_s
+    return time.perf_counter(), llm.engine.runner.stats().warm_up_s
 
 
 def _sampling(**fields):

@@ -45,6 +45,10 @@ class RandomVocabulary:
         return " ".join(map(str, ids))
 
 
+# Where torch allocates unless told otherwise: host memory, where a checkpoint is read too.
+HOST = torch.get_default_device()
+
+
 def random_model(shape: str, device: torch.device, seed: int = 0) -> LoadedModel:
     """Weights of the given shape drawn on `device` (bf16; std 0.02, norms 1), named as HF checkpoints name them."""
     if shape not in SHAPES:
@@ -98,7 +102,7 @@ def load_bench_model(model: str | None, shape: str | None, seed: int = 0) -> Loa
     if model and shape:
         raise UserError("give --model or --shape, not both")
     if shape:
-        return random_model(shape, torch.device("cpu"), seed)
+        return random_model(shape, HOST, seed)
     return load_model(model)
 
 
@@ -128,18 +132,8 @@ def time_generation(llm: LLM, batch_size: int, prompt_len: int, gen_len: int, se
     )
 
 
-def machine_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{platform.node()} / {torch.cuda.get_device_name(device)}"
-    return f"{platform.node()} / {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import psutil
-
-    return psutil.Process().memory_info().rss
+def machine_name(backend) -> str:
+    return f"{platform.node()} / {backend.device_name()}"
 
 
 def _flashnext_version() -> str:
@@ -176,23 +170,22 @@ def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile
 
 
 def _bench_row(llm: LLM, loaded: LoadedModel, b: int, prompt_len: int, gen_len: int) -> dict:
-    device = llm.engine.model.device
+    backend = llm.engine.backend
     time_generation(llm, b, prompt_len, min(gen_len, 24), seed=1000 + b)  # compile, capture, fill caches
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
+    backend.synchronize()
+    backend.reset_memory_peak()
     t = time_generation(llm, b, prompt_len, gen_len, seed=b)
-    runner = llm.engine.runner
+    runner = llm.engine.runner.stats()
     return {
-        "machine": machine_name(device), "backend": llm.info.backend, "shape": loaded.name,
+        "machine": machine_name(backend), "backend": llm.info.backend, "shape": loaded.name,
         "precision": llm.engine.precision.name, "profile": llm.profile.name,
         "cuda_graphs": llm.profile.cuda_graphs, "batch_size": b, "prompt_len": prompt_len, "gen_len": gen_len,
         "ttft_s": round(t.ttft_s, 5), "decode_tok_s": round(t.decode_tok_s, 1),
         "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
         "warm_up_s": round(llm.warm_up_s, 4), "threads": llm.threads.threads,
-        "peak_memory_bytes": _peak_memory(device),
-        "graph_captures": getattr(runner, "graph_captures", 0), "graph_replays": getattr(runner, "graph_replays", 0),
-        "graph_memory_bytes": getattr(runner, "graph_memory_bytes", 0),
+        "peak_memory_bytes": backend.memory_peak_bytes(),
+        "graph_captures": runner.graph_captures, "graph_replays": runner.graph_replays,
+        "graph_memory_bytes": runner.graph_memory_bytes,
         "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -8,4 +8,5 @@ hookimpl = pluggy.HookimplMarker("flashnext")
 
 @hookspec
 def register_backends(register):
-    """Call `register(backend)` once for each Backend instance the plugin provides."""
+    """Call `register(backend)` once for each Backend instance the plugin provides. Each declares the contract it
+    was written for (`Backend.api_version`); one this flashnext cannot run is listed as refused, never probed."""

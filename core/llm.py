@@ -71,7 +71,7 @@ class LLM:
     def warm_up(self) -> float:
         """The one-time work of the first steps (weight expansion, kernel compiles, graph captures), done now on a
         throwaway request of a few tokens rather than inside the first real one; returns its seconds."""
-        start, runner_before = time.perf_counter(), self.engine.runner.warm_up_s
+        start, runner_before = time.perf_counter(), self.engine.runner.stats().warm_up_s
         with progress.stage("warming up") as advance:
             prompt = [i % self.engine.config.vocab_size for i in range(1, WARM_UP_PROMPT + 1)]
             seq = self.engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), spec_enabled=False)
@@ -79,7 +79,7 @@ class LLM:
                 self.engine.step()
             seconds = time.perf_counter() - start
             advance(f"{seconds:.1f} s of one-time work")
-        self._warm_up_s += seconds - (self.engine.runner.warm_up_s - runner_before)  # the runner counts its own
+        self._warm_up_s += seconds - (self.engine.runner.stats().warm_up_s - runner_before)  # the runner counts its own
         return seconds
 
     @staticmethod
@@ -92,7 +92,7 @@ class LLM:
     @property
     def warm_up_s(self) -> float:
         """Seconds of one-time work so far: the warm-up's, and what the runner counted inside steps."""
-        return self._warm_up_s + self.engine.runner.warm_up_s
+        return self._warm_up_s + self.engine.runner.stats().warm_up_s
 
     @property
     def profile(self) -> Profile:

@@ -270,7 +270,7 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
     for file in _safetensors_files(folder):
         _check_safetensors_file(file)
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as fh:
+            with safe_open(str(file), framework="pt") as fh:
                 for name in fh.keys():
                     weights[name] = fh.get_tensor(name)
         except UserError:

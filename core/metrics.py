@@ -1,8 +1,8 @@
 """Prometheus metrics for `flashnext serve` (names: docs/cli.md, all prefixed `flashnext_`).
 
 Latencies and request outcomes are recorded as they happen; counters that live in the engine (preemptions, prefill
-chunks, prefix hits, speculative-decoding counts, and graph counts where the backend's runner keeps them) are read
-at scrape time, so they are never out of step.
+chunks, prefix hits, speculative-decoding counts, and the runner's stats(): graph counts where it keeps them) are
+read at scrape time, so they are never out of step.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,12 +20,12 @@ class EngineCollector:
 
     def collect(self):
         engine = self.engine
-        runner, blocks, scheduler = engine.runner, engine.blocks, engine.scheduler
+        runner, blocks, scheduler = engine.runner.stats(), engine.blocks, engine.scheduler
         spec = engine.spec_stats()
-        yield _counter("cuda_graph_captures", "CUDA graphs captured", getattr(runner, "graph_captures", 0))
-        yield _counter("cuda_graph_replays", "Steps run by replaying a CUDA graph", getattr(runner, "graph_replays", 0))
+        yield _counter("cuda_graph_captures", "CUDA graphs captured", runner.graph_captures)
+        yield _counter("cuda_graph_replays", "Steps run by replaying a CUDA graph", runner.graph_replays)
         yield GaugeMetricFamily("flashnext_cuda_graph_memory_bytes", "Device memory reserved by CUDA graph captures",
-                                value=getattr(runner, "graph_memory_bytes", 0))
+                                value=runner.graph_memory_bytes)
         yield _counter("chunked_prefill_chunks", "Prompt pieces run while the prompt was not yet whole",
                        scheduler.prefill_chunks)
         yield _counter("preemptions", "Requests preempted (blocks freed, recomputed later)", scheduler.preemptions)

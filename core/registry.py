@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from . import hookspecs
-from .backend import Backend, Probe
+from .backend import Backend, Probe, incompatibility
 from .errors import UserError
 
 ENTRY_POINT_GROUP = "flashnext.backends"
@@ -35,7 +35,8 @@ class BackendEntry:
             "origin": self.origin,
             "entry_point": self.entry_point,
             "precisions": list(b.precisions) if b else [],
-            "features": dict(b.features) if b else {},
+            "features": b.capabilities.features() if b else {},
+            "api_version": (b.api_version or 1) if b else None,
             "default_profile": b.default_profile if b else None,
             "facts": self.probe.facts,
             "error": self.error,
@@ -77,6 +78,9 @@ def _load(ep, origin: str) -> list[BackendEntry]:
 
 
 def _probed(backend: Backend, origin: str) -> BackendEntry:
+    refused = incompatibility(backend)
+    if refused:  # never probed: its code may not run against this contract
+        return BackendEntry(backend.name, origin, backend, Probe(False, 0.0, refused), error=refused)
     try:
         probe = backend.probe()
     except Exception as exc:

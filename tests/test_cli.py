@@ -59,16 +59,16 @@ def slow_first_decode(monkeypatch) -> list[int]:
     """The first decode step does 0.3 s of one-time work, counted by the runner as CUDA's graph captures are."""
     from flashnext.core.engine.runner import ModelRunner
 
-    real_run, steps = ModelRunner.run, []
+    real_step, steps = ModelRunner.step, []
 
-    def run(self, batch):
-        steps.append(len(batch))
+    def step(self, inputs):
+        steps.append(len(inputs.batch))
         if len(steps) == 2:  # the first decode step does 0.3 s of one-time work
             time.sleep(0.3)
             self.warm_up_s += 0.3
-        return real_run(self, batch)
+        return real_step(self, inputs)
 
-    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(ModelRunner, "step", step)
     return steps
 
 
@@ -114,10 +114,10 @@ def test_running_out_of_device_memory_is_one_line_with_the_settings_to_lower(tin
 
     kind, text = raised.split(": ", 1)
 
-    def run(self, batch):
+    def step(self, inputs):
         raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else RuntimeError)(text)
 
-    monkeypatch.setattr(ModelRunner, "run", run)
+    monkeypatch.setattr(ModelRunner, "step", step)
     result = invoke("run", "hello", "--model", str(tiny_llama), "--backend", "cpu")
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the stage lines

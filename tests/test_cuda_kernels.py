@@ -18,7 +18,9 @@ tl = triton.language
 
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
 from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
+import flashnext.plugins.cuda.drafting as drafting  # noqa: E402
 import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
+from flashnext.plugins.cuda.drafting import DeviceNgramDrafter  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1256,14 +1258,14 @@ def test_spec_accept_counts_only_steps_that_carried_drafts():
     ntok = torch.tensor([3, 3], device=DEV)
     cap = torch.tensor([8, 8], device=DEV)
     n_draft = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
-    stats = torch.zeros(2, kernels_module.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
-    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, no_stops(2), k)
+    stats = torch.zeros(2, drafting.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
+    DeviceNgramDrafter(CUDA, k).accept(sampled, ids, hist, ntok, cap, n_draft, stats, no_stops(2))
     assert stats.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 2, 1, 1, 0]]
     assert ntok.tolist() == [4, 5] and hist[0, 3].item() == 5 and hist[1, 3:5].tolist() == [8, 9]
 
 
 def no_stops(rows):
-    return torch.full((rows, kernels_module.SPEC_STOP_IDS), -1, dtype=torch.int64, device=DEV)
+    return torch.full((rows, drafting.SPEC_STOP_IDS), -1, dtype=torch.int64, device=DEV)
 
 
 def test_spec_accept_ends_a_row_at_its_stop_token():
@@ -1276,11 +1278,11 @@ def test_spec_accept_ends_a_row_at_its_stop_token():
     hist = torch.zeros(3, 16, dtype=torch.int64, device=DEV)
     ntok, cap = torch.tensor([4, 4, 4], device=DEV), torch.tensor([16, 16, 16], device=DEV)
     n_draft = torch.tensor([3, 3, 3], dtype=torch.int32, device=DEV)
-    stats = torch.zeros(3, kernels_module.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
+    stats = torch.zeros(3, drafting.SPEC_STAT_FIELDS + k, dtype=torch.int64, device=DEV)
     stops = no_stops(3)
     stops[0, :2] = torch.tensor([0, 2])
     stops[1, 0] = 5  # a stop token the row does not sample
-    CUDA.spec_accept(sampled, ids, hist, ntok, cap, n_draft, stats, stops, k)
+    DeviceNgramDrafter(CUDA, k).accept(sampled, ids, hist, ntok, cap, n_draft, stats, stops)
     assert ntok.tolist() == [7, 8, 8] and cap.tolist() == [7, 16, 16]
     assert hist[0, 4:8].tolist() == [7, 8, 2, 0] and hist[1, 4:8].tolist() == [7, 8, 2, 9]
     assert stats[0].tolist() == [1, 1, 3, 2, 1, 1, 0] and stats[1].tolist() == [1, 1, 3, 3, 1, 1, 1]

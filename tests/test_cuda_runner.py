@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
 from flashnext.core.cli_bench import random_model  # noqa: E402
-from flashnext.core.engine.runner import ModelRunner  # noqa: E402
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from flashnext.core.kernels import ReferenceKernels  # noqa: E402
@@ -30,7 +30,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def _two_steps(loaded, kernels, runner_class, precision="fp32"):
     """A prefill of two prompts (one 20 tokens, one 7), then one decode step; the logits of both steps."""
     model = DecoderModel(loaded.config, loaded.weights, kernels, PRECISIONS[precision], DEV, torch.float32)
-    runner = runner_class(model, 16, 4, torch.float32)
+    runner = runner_class(model, RunnerSetup(16, 4, torch.float32))
     batch = []
     for i, prompt in enumerate((list(range(5, 25)), list(range(30, 37)))):
         seq = Sequence(prompt, SamplingParams())
@@ -76,7 +76,7 @@ def test_int4_decode_hands_x_packed_from_gemv_to_gemv(tiny_random, monkeypatch):
 def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny_random):
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
                          torch.float32)
-    runner = CudaGraphRunner.for_profile(Profile(name="basic"))(model, 8, 4, torch.float32)
+    runner = CudaGraphRunner.for_profile(Profile(name="basic"))(model, RunnerSetup(8, 4, torch.float32))
     a = Sequence(list(range(6)), SamplingParams(max_tokens=50))
     a.block_table, a.num_computed = [0, 1], 6  # 8 slots owned, position 6 next: room for 2
     b = Sequence(list(range(3)), SamplingParams(max_tokens=4))
@@ -137,7 +137,7 @@ def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monk
                          torch.bfloat16, quantized_head=True)
     assert type(model.lm_head).__name__ == "Fp8Weight"
     profile = Profile(name="full", cuda_graphs=True, graph_batch_sizes=[8], max_num_seqs=8)
-    runner = CudaGraphRunner.for_profile(profile)(model, 64, 4, torch.bfloat16)
+    runner = CudaGraphRunner.for_profile(profile)(model, RunnerSetup(64, 4, torch.bfloat16))
     batch = []
     for i in range(6):
         seq = Sequence(list(range(5 + i, 20 + 2 * i)), SamplingParams())

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
 from flashnext.core.cli_bench import random_model  # noqa: E402
-from flashnext.core.engine.runner import ModelRunner  # noqa: E402
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from flashnext.core.kernels import ReferenceKernels  # noqa: E402
@@ -35,12 +35,12 @@ MOTIF = [5, 9, 14, 3, 8, 21, 7]
 REPEATING_PROMPT = MOTIF * 4 + MOTIF[:3]
 
 
-def _tiny_runner(tiny_random, block_size=4, profile=NGRAM, device=torch.device("cpu")):
+def _tiny_runner(tiny_random, block_size=4, profile=NGRAM, device=torch.device("cpu"), eos_ids=frozenset()):
     """A CUDA graph runner over the tiny model (32 KV blocks, fp32): on the CPU by default, for its host-side logic
     (no graphs run); on DEV for the step bodies, run eagerly."""
     model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], device,
                          torch.float32)
-    return CudaGraphRunner.for_profile(profile)(model, 32, block_size, torch.float32)
+    return CudaGraphRunner.for_profile(profile)(model, RunnerSetup(32, block_size, torch.float32, frozenset(eos_ids)))
 
 
 def _prefilled(runner, prompts):
@@ -81,7 +81,7 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
 
     ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
                              DEV, torch.float32)
-    ref = ModelRunner(ref_model, 32, 4, torch.float32)
+    ref = ModelRunner(ref_model, RunnerSetup(32, 4, torch.float32))
     [ref_seq] = _prefilled(ref, [REPEATING_PROMPT])
     ref_seq.block_table = list(range(16))
     expected = []
@@ -98,8 +98,7 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
     chunk's later steps leave the finished row alone (no tokens, no steps counted); a request that ignores EOS, or
     whose stop_token_ids name it, is treated as the engine would."""
     def chunk(eos_ids=frozenset(), **params):
-        runner = _tiny_runner(tiny_random, device=DEV)
-        runner.eos_ids = frozenset(eos_ids)
+        runner = _tiny_runner(tiny_random, device=DEV, eos_ids=eos_ids)
         [seq] = _prefilled(runner, [REPEATING_PROMPT])
         seq.params = SamplingParams(max_tokens=20, **params)
         seq.block_table = list(range(16))
@@ -120,10 +119,9 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
 
 def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
     runner = _tiny_runner(tiny_random)
-    assert runner.drafts_itself and runner.spec_stats()["drafts"] == 0
+    assert runner.device_drafter and runner.device_drafter.stats().drafts == 0
     mtp = _tiny_runner(tiny_random, profile=NGRAM.overridden(spec="mtp"))
-    assert not mtp.use_graphs and not mtp.drafts_itself  # MTP drafts from hidden states: eager, engine drafts
-    assert mtp.spec_stats() is None
+    assert not mtp.use_graphs and mtp.device_drafter is None  # MTP drafts from hidden states: eager, engine drafts
 
 
 def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):

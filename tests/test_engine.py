@@ -311,6 +311,7 @@ def test_weights_past_an_accelerators_free_memory_are_refused_with_the_precision
         return weight_bytes(loaded.config, loaded.weights, PRECISIONS[name], torch.bfloat16)
 
     class Accelerator(CpuBackend):
+        capabilities = CpuBackend.capabilities.model_copy(update={"unified_memory": False})
         free = 0
 
         def device(self):

@@ -318,7 +318,7 @@ def _llama_8b(tiny_llama):
 def test_a_model_past_the_budget_is_refused_in_one_line(as_board, monkeypatch, tiny_llama, name, precision, fix):
     as_board(name)
     model = _llama_8b(tiny_llama)
-    monkeypatch.setattr("flashnext.core.llm.load_model", lambda source: model)
+    monkeypatch.setattr(JetsonBackend, "load_model", lambda self, source: model)
     args = ["run", "hi", "--backend", "jetson", "--model", "llama-3-8b"]
     args += ["--precision", precision] if precision else []
     result = CliRunner().invoke(app, args)

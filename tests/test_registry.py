@@ -30,6 +30,35 @@ PLUGINS = {
             register(Gone())
     """,
     "import_boom": "raise RuntimeError('missing vendor library libboom.so')\n",
+    "versions_plugin": """
+        from flashnext.core.backend import Backend, Probe
+        from flashnext.core.engine.runner import ModelRunner
+        from flashnext.core.hookspecs import hookimpl
+
+        class Legacy(Backend):  # written against the first contract: a features dict, no version
+            name = "legacy"
+            precisions = ("fp32",)
+            features = {"chunked_prefill": True, "spec_decode": True, "fp8_kv_cache": False, "turbo": True}
+            def probe(self):
+                return Probe(True, 5.0, "old but fine")
+
+        class OldRunner(Legacy):
+            name = "oldrunner"
+            def runner_class(self, profile):
+                return ModelRunner
+
+        class Future(Backend):
+            name = "future"
+            api_version = 99
+            def probe(self):
+                raise AssertionError("a refused plugin is never probed")
+
+        @hookimpl
+        def register_backends(register):
+            register(Legacy())
+            register(OldRunner())
+            register(Future())
+    """,
     "probe_boom": """
         from flashnext.core.backend import Backend
         from flashnext.core.hookspecs import hookimpl
@@ -99,3 +128,49 @@ def test_selecting_unknown_or_unavailable_backends_fails_clearly(third_party):
 def test_json_shape_for_broken_entry(third_party):
     entry = by_name(registry.discover())["import"].as_json()
     assert entry["available"] is False and entry["precisions"] == [] and "libboom" in entry["reason"]
+
+
+def test_a_first_contract_plugin_keeps_working_with_its_features_mapped(third_party):
+    legacy = by_name(registry.discover())["legacy"]
+    assert legacy.probe.available and legacy.error is None
+    caps = legacy.backend.capabilities
+    assert caps.chunked_prefill and caps.drafters == ("ngram", "mtp") and not caps.cuda_graphs
+    assert "fp8-e4m3" not in caps.kv_dtypes and "bf16" in caps.kv_dtypes
+    features = legacy.as_json()["features"]
+    assert features["chunked_prefill"] and features["spec_decode"] and features["turbo"]
+    assert not features["fp8_kv_cache"] and legacy.as_json()["api_version"] == 1
+
+
+def test_plugins_of_an_incompatible_contract_are_listed_as_refused_with_one_line(third_party):
+    entries = by_name(registry.discover())
+    old, future = entries["oldrunner"], entries["future"]
+    assert not old.probe.available and not future.probe.available
+    assert old.probe.reason.startswith("written for plugin API 1; API 2 changed its runner: ")
+    assert "StepInput" in old.probe.reason and "\n" not in old.probe.reason
+    assert future.probe.reason == "written for plugin API 99, newer than this flashnext's API 2: upgrade flashnext"
+    assert future.as_json()["available"] is False and future.as_json()["error"] == future.probe.reason
+    with pytest.raises(UserError, match="'future' is not available here: written for plugin API 99"):
+        registry.select(list(entries.values()), "future")
+
+
+def test_in_tree_features_json_is_derived_from_the_typed_capabilities():
+    from flashnext.plugins.cpu import CpuBackend
+    from flashnext.plugins.cuda import CudaBackend
+
+    cpu, cuda = CpuBackend().features, CudaBackend().features
+    assert cpu == {"cuda_graphs": False, "chunked_prefill": True, "prefix_caching": True, "spec_decode": True,
+                   "fp8_kv_cache": True, "static_shapes": False, "unified_memory": True}
+    assert cuda["cuda_graphs"] and cuda["spec_decode"] and cuda["int4_weights"] and not cuda["unified_memory"]
+
+
+def test_a_features_dict_built_from_a_parents_features_maps_back_to_its_capabilities():
+    """A plugin that extends an in-tree backend's flags as a dict (read on the class) keeps that backend's
+    capabilities and adds its own flags."""
+    from flashnext.plugins.cpu import CpuBackend
+
+    class Derived(CpuBackend):
+        features = CpuBackend.features | {"own_attention": True}
+
+    caps = Derived.capabilities
+    assert caps.unified_memory and caps.chunked_prefill and caps.drafters == ("ngram", "mtp")
+    assert Derived().features == CpuBackend().features | {"own_attention": True}

@@ -45,17 +45,17 @@ def _all_free(client) -> bool:
 
 # -- 1. a step that raises fails its request, not the server ------------------------------------------------------
 def test_step_exception_fails_only_its_request(client, llm, monkeypatch):
-    run = llm.engine.runner.run
+    step = llm.engine.runner.step
 
     failed_batches = []
 
-    def poisoned_run(batch):
-        if any(item.seq.prompt_ids[0] == POISON for item in batch):
-            failed_batches.append(len(batch))
+    def poisoned_step(inputs):
+        if any(item.seq.prompt_ids[0] == POISON for item in inputs.batch):
+            failed_batches.append(len(inputs.batch))
             raise IndexError("index out of range in self")
-        return run(batch)
+        return step(inputs)
 
-    monkeypatch.setattr(llm.engine.runner, "run", poisoned_run)
+    monkeypatch.setattr(llm.engine.runner, "step", poisoned_step)
     steady = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     errors_before = metric(client, "flashnext_requests_total", status="error")
     with client.stream("POST", "/v1/completions", json={**steady, "stream": True}) as stream:
@@ -81,11 +81,11 @@ def test_engine_step_isolates_the_failing_request(tmp_path):
     """The engine itself: a batch of three with one poisoned request finishes that one with "error" and its blocks
     freed; the other two get the tokens they would have got without it. Without isolate_failures it raises."""
     llm = LLM(str(write_tiny_hf_model(tmp_path)), backend="cpu", kv_cache_max_gib=0.01)
-    engine, run = llm.engine, llm.engine.runner.run
+    engine, step = llm.engine, llm.engine.runner.step
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     solo = [s.output_ids for s in engine.generate([[3, 4, 5], [6, 7]], params)]
-    engine.runner.run = lambda batch: (_ for _ in ()).throw(IndexError("bad id")) if any(
-        i.seq.prompt_ids[0] == POISON for i in batch) else run(batch)
+    engine.runner.step = lambda inputs: (_ for _ in ()).throw(IndexError("bad id")) if any(
+        i.seq.prompt_ids[0] == POISON for i in inputs.batch) else step(inputs)
     seqs = [engine.add_request(p, params) for p in ([3, 4, 5], [POISON, 1], [6, 7])]
     outputs = engine.step(isolate_failures=True)
     assert [(o.seq is seqs[1], o.finished, o.error) for o in outputs if o.error] == [(True, True, "IndexError: bad id")]
@@ -100,9 +100,9 @@ def test_engine_step_isolates_the_failing_request(tmp_path):
 
 
 def test_streamed_request_failure_is_an_error_event(client, llm, monkeypatch):
-    run = llm.engine.runner.run
-    monkeypatch.setattr(llm.engine.runner, "run", lambda batch: (_ for _ in ()).throw(OverflowError("too big"))
-                        if batch[0].seq.prompt_ids[0] == POISON else run(batch))
+    step = llm.engine.runner.step
+    monkeypatch.setattr(llm.engine.runner, "step", lambda inputs: (_ for _ in ()).throw(OverflowError("too big"))
+                        if inputs.batch[0].seq.prompt_ids[0] == POISON else step(inputs))
     r = client.post("/v1/completions", json={"prompt": [POISON, 3], "max_tokens": 4, "stream": True})
     events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
     assert events[-1]["error"]["type"] == "server_error" and "OverflowError" in events[-1]["error"]["message"]

@@ -22,6 +22,7 @@ from flashnext.core.errors import UserError
 from flashnext.core.loader import load_model
 from flashnext.core.spec import decoder
 from flashnext.core.spec.adaptive import FIRST_PAUSE, AcceptanceTracker
+from flashnext.core.spec.drafter import NGRAM_RULE
 from flashnext.core.spec.ngram import lookup
 from flashnext.plugins.cpu import CpuBackend
 
@@ -176,10 +177,19 @@ def test_drafting_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny):
     assert roomy.spec_stats()["drafts"] > 0
 
 
+class SilentDeviceDrafter:
+    """A DeviceDrafter that never drafts: the runner steps as plain decoding, with the look-ahead slots kept."""
+
+    method, rule = "ngram", NGRAM_RULE
+
+    def stats(self) -> decoder.SpecStats:
+        return decoder.SpecStats()
+
+
 def test_a_runner_that_drafts_itself_gets_no_drafts_but_kept_slots(tiny, monkeypatch):
-    """CUDA spec chunks draft and verify on the device: the engine drafts nothing and keeps len + lookahead KV
-    slots allocated for the runner to fill ahead (from free blocks only)."""
-    monkeypatch.setattr(ModelRunner, "drafts_itself", True)
+    """A runner with a device drafter drafts and verifies by itself: the engine drafts nothing and keeps len +
+    lookahead KV slots allocated for the runner to fill ahead (from free blocks only)."""
+    monkeypatch.setattr(ModelRunner, "device_drafter", SilentDeviceDrafter())
     monkeypatch.setattr(ModelRunner, "lookahead_tokens", 24)
     engine = engine_for(tiny, "ngram", 4)
     prompts = copy_heavy_prompts(tiny, count=2, seed=3)

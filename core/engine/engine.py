@@ -2,8 +2,6 @@
 
 from dataclasses import dataclass
 
-import torch
-
 from ..backend import Backend, declares
 from ..errors import UserError
 from ..loader import LoadedModel
@@ -13,7 +11,7 @@ from ..profile import Profile
 from ..spec.decoder import SpecDecoder, SpecStats
 from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
-from .runner import ModelRunner
+from .runner import Runner, RunnerSetup, StepInput, StepResult
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SamplingParams, Sequence, Status
 
@@ -32,34 +30,57 @@ class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
         if profile.prefix_caching and not declares(backend, "prefix_caching"):
             profile = profile.overridden(prefix_caching=False)  # declared off (or not declared) means off
-        self.backend, self.profile, self.config = backend, profile, loaded.config
+        self.backend, self.config = backend, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
-        self._refuse_weights_past_free_memory(backend, loaded)
+        self.profile = profile = self._within_capabilities(profile)
+        if not backend.capabilities.unified_memory:
+            self._refuse_weights_past_free_memory(backend, loaded)
         self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
         # The model's own config: an exported graph's context may be shorter than the checkpoint's.
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(profile.max_model_len or limit, limit)
-        self.kv_dtype = self._kv_dtype()
+        self.kv_dtype = self.model.dtype if profile.kv_cache_dtype == "auto" else \
+            PRECISIONS[profile.kv_cache_dtype].storage_dtype
         runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
             block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
-        num_blocks = self._num_blocks(block_bytes, self._activation_peak())
-        self.runner = runner_class(self.model, num_blocks, profile.block_size, self.kv_dtype)
+        num_blocks = self._num_blocks(block_bytes, self._activation_peak(runner_class))
+        self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+        setup = RunnerSetup(num_blocks, profile.block_size, self.kv_dtype, frozenset(self.eos_ids))
+        self.runner: Runner = runner_class(self.model, setup)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
         self.spec = None if profile.spec == "none" else SpecDecoder(
             profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
-            runner_drafts=self.runner.drafts_itself)
-        self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
-        self.runner.eos_ids = frozenset(self.eos_ids)
+            device_drafter=self.runner.device_drafter)
+
+    def _within_capabilities(self, profile: Profile) -> Profile:
+        """The profile bounded by the backend's declared limits: a static-shape backend's batch, prompt chunk and
+        context, a maximum concurrency or request length. Requests past them queue or are refused, never fail."""
+        caps = self.backend.capabilities
+        shapes = caps.static_shapes
+        limits = {
+            "max_num_seqs": [caps.max_concurrency, shapes and shapes.batch],
+            "max_model_len": [caps.max_tokens_per_request, shapes and shapes.max_context],
+            # One sequence's prompt piece fits the fixed chunk when the whole step's budget does.
+            "max_num_batched_tokens": [shapes and shapes.prefill_chunk],
+        }
+        changes = {}
+        for name, bounds in limits.items():
+            bounds = [b for b in bounds if b]
+            if bounds:
+                current = getattr(profile, name)
+                changes[name] = min([current, *bounds]) if current is not None else min(bounds)
+        if shapes:  # prompts longer than the chunk are always cut into chunks
+            changes["chunked_prefill"] = True
+        # Limits set by hardware may be under the profile's own floors (a 16-token budget): applied unvalidated.
+        return profile.model_copy(update=changes) if changes else profile
 
     def _refuse_weights_past_free_memory(self, backend: Backend, loaded: LoadedModel) -> None:
         """Weights bound for an accelerator that cannot hold them are refused up front, with their sizes in the
-        precisions that would fit, rather than failing out of memory half way through the load. (On the CPU they
-        are in this memory already.)"""
-        if backend.device().type == "cpu":
-            return
+        precisions that would fit, rather than failing out of memory half way through the load. (A device that
+        computes from host memory holds them already: the engine skips this for a unified-memory backend.)"""
         free = backend.free_memory_bytes()
 
         def need(precision) -> int:
@@ -80,14 +101,6 @@ class LLMEngine:
         raise UserError(f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
                         f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
 
-    def _kv_dtype(self) -> torch.dtype:
-        name = self.profile.kv_cache_dtype
-        if name == "auto":
-            return self.model.dtype
-        if name.startswith("fp8") and not declares(self.backend, "fp8_kv_cache"):
-            raise UserError(f"backend '{self.backend.name}' has no FP8 KV cache; use --kv-cache-dtype auto")
-        return PRECISIONS[name].storage_dtype
-
     def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
         """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision): the
         head then takes self.precision.head."""
@@ -98,7 +111,7 @@ class LLMEngine:
                             f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
         return True
 
-    def _activation_peak(self) -> int:
+    def _activation_peak(self, runner_class) -> int:
         """Peak memory of a full-budget prefill, measured by a warm-up pass over a throwaway cache."""
         tokens = min(self.profile.max_num_batched_tokens, self.max_model_len - 1)
         blocks = -(-tokens // self.profile.block_size)
@@ -106,16 +119,15 @@ class LLMEngine:
         def warm_up():  # its one-prompt cache counts in the peak too: a slightly conservative budget
             seq = Sequence([i % self.config.vocab_size for i in range(tokens)], SamplingParams(max_tokens=1))
             seq.block_table = list(range(blocks))
-            ModelRunner(self.model, blocks, self.profile.block_size, self.kv_dtype).run([ScheduledSeq(seq, tokens, 1)])
+            runner = runner_class(self.model, RunnerSetup(blocks, self.profile.block_size, self.kv_dtype))
+            runner.step(StepInput([ScheduledSeq(seq, tokens, 1)]))
 
         return self.backend.peak_memory_bytes(warm_up) or 0
 
     def _num_blocks(self, block_bytes: int, activation_peak: int = 0) -> int:
         """Blocks that fit the memory budget (after the warm-up's activation peak), but no more than the
         configured batch could ever use."""
-        budget = self.backend.free_memory_bytes() * self.profile.memory_utilization - activation_peak
-        if self.profile.kv_cache_max_gib is not None:
-            budget = min(budget, self.profile.kv_cache_max_gib * GIB)
+        budget = self.backend.kv_budget_bytes(self.profile, activation_peak)
         useful = self.profile.max_num_seqs * -(-self.max_model_len // self.profile.block_size)
         num_blocks = min(int(budget // block_bytes), useful)
         if num_blocks < 1:
@@ -172,13 +184,13 @@ class LLMEngine:
         if not isolate_failures:
             return self._finish_step(batch, self._run_model(batch))
         try:
-            sampled = self._run_model(batch)
+            result = self._run_model(batch)
         except Exception as exc:
             if len(batch) == 1:
                 return [self._fail(batch[0].seq, exc)]
             return [out for item in batch for out in self._step_alone(item)]
         try:
-            return self._finish_step(batch, sampled)
+            return self._finish_step(batch, result)
         except Exception as exc:
             return [self._fail(item.seq, exc) for item in batch]
 
@@ -194,18 +206,16 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
         return StepOutput(seq, [], True, error=f"{type(exc).__name__}: {exc}"[:500])
 
-    def _run_model(self, batch: list[ScheduledSeq]) -> list[int]:
-        self.runner.last_hidden = None  # a runner that replays look-ahead tokens runs no model and leaves it None
-        _, sampled = self.runner.run(batch)
-        return sampled.tolist()
+    def _run_model(self, batch: list[ScheduledSeq]) -> StepResult:
+        return self.runner.step(StepInput(batch, want_hidden=self.profile.spec == "mtp"))
 
-    def _finish_step(self, batch: list[ScheduledSeq], sampled: list[int]) -> list[StepOutput]:
-        starts = [item.seq.num_computed for item in batch]
-        outputs = self._postprocess(batch, sampled)
+    def _finish_step(self, batch: list[ScheduledSeq], result: StepResult) -> list[StepOutput]:
+        starts = [item.seq.num_computed for item in batch]  # the runner leaves num_computed to _postprocess
+        outputs = self._postprocess(batch, result.sampled.tolist())
         if self.runner.lookahead_tokens:
             self._keep_lookahead(batch)
         if self.spec:
-            self.spec.after_step(batch, starts, self.runner.last_hidden)
+            self.spec.after_step(batch, starts, result.hidden)
         return outputs
 
     def _keep_lookahead(self, batch: list[ScheduledSeq]) -> None:
@@ -249,8 +259,7 @@ class LLMEngine:
 
     def spec_stats(self) -> dict:
         """Speculative-decoding counters (drafts, drafted, accepted, accepted_per_position, mean_acceptance_length)."""
-        runner = self.runner.spec_stats()  # a runner that drafts and verifies by itself counts its own
-        return runner if runner is not None else (self.spec.stats if self.spec else SpecStats()).as_dict()
+        return (self.spec.counters() if self.spec else SpecStats()).as_dict()
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.params.stops_at(seq.token_ids[-1], self.eos_ids):

@@ -1,13 +1,84 @@
-"""Turns a scheduled batch into flat tensors, runs the model and samples on the device."""
+"""The runner contract (a step in, a step result out) and the generic runner over a DecoderModel.
 
+The engine builds one runner from `Backend.runner_class(profile)` with the model `Backend.build_model` returned and
+a RunnerSetup, then calls `step` once per scheduled batch. Everything the two exchange is in these types: the engine
+never sets a runner's attributes, and reads it only through `step`, `stats`, `lookahead_tokens` and
+`device_drafter`. A runner reads the scheduled sequences (token_ids, num_computed, block_table, params, seed,
+tokens_left, spec_enabled) and never writes them.
+"""
+
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import AttentionMetadata, SamplingTensors, int64_tensor
 from ..model import DecoderModel
+from ..spec.drafter import DeviceDrafter
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """What the engine hands a runner when it builds one."""
+
+    num_blocks: int  # KV cache blocks (the engine's BlockManager hands them out)
+    block_size: int  # tokens a block
+    kv_dtype: torch.dtype
+    eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence tokens: a runner running ahead stops there
+
+
+@dataclass
+class StepInput:
+    batch: list[ScheduledSeq]
+    want_hidden: bool = False  # the engine's drafter reads the step's final hidden states (MTP)
+
+
+@dataclass
+class StepResult:
+    sampled: torch.Tensor  # [rows] token ids: each sequence's num_logits rows, in batch order
+    logits: torch.Tensor | None = None  # [rows, vocab] float32, where the runner computed them
+    hidden: torch.Tensor | None = None  # [T, hidden] final hidden states of every token, when asked for
+
+
+@dataclass
+class RunnerStats:
+    """Counters a runner keeps, read by metrics and benchmarks (0 where a runner has no such thing)."""
+
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_memory_bytes: int = 0  # device memory the captures added, outside the KV budget
+    # One-time work done inside steps so far (graph captures, with kernel compiles in their warm-ups): a report of
+    # decode speed leaves it out and names it, as it does the load time.
+    warm_up_s: float = 0.0
+
+
+class Runner(ABC):
+    """What the engine needs from a backend's forward pass. A runner need not wrap a DecoderModel: a backend that
+    runs graphs compiled ahead of time steps its own model object here."""
+
+    # KV slots the engine keeps allocated past each decoding sequence's end (from free blocks only), for a runner
+    # that runs steps ahead of the engine and hands back their tokens one step at a time.
+    lookahead_tokens: int = 0
+    # Set where the runner drafts and verifies inside its own steps: the engine then drafts nothing.
+    device_drafter: DeviceDrafter | None = None
+
+    def __init__(self, model, setup: RunnerSetup):
+        self.model, self.setup = model, setup
+
+    @abstractmethod
+    def step(self, inputs: StepInput) -> StepResult:
+        """Run one scheduled batch: write its KV, sample the rows each sequence asked for."""
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats()
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes one KV block takes, for the engine's memory budget."""
+        cfg = model.config
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
 
 
 @dataclass
@@ -17,52 +88,42 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # rows of the hidden states whose logits are needed
     sampling: SamplingTensors
-    is_decode: bool  # every sequence contributes exactly one token: the shape CUDA graphs capture
+    is_decode: bool  # every sequence contributes exactly one token: the shape captured graphs replay
 
 
-class ModelRunner:
-    """Generic runner; a backend may subclass it to capture graphs or fuse the step."""
+class ModelRunner(Runner):
+    """The generic runner: batch -> flat tensors -> DecoderModel -> sampling on the device. A backend may subclass
+    it to capture graphs or fuse the step."""
 
-    # A runner may draft and verify by itself (CUDA: on the device); the engine then drafts nothing.
-    drafts_itself = False
-    # KV slots the engine keeps allocated past each decoding sequence's end, for a runner that runs steps ahead of
-    # the engine (CUDA: chunks of decode or verify steps) to fill.
-    lookahead_tokens = 0
-    # The model's end-of-sequence tokens (the engine sets them): a runner that runs steps ahead may stop a sequence
-    # at one on its own.
-    eos_ids: frozenset[int] = frozenset()
-    # Seconds of one-time work done inside steps so far (CUDA: graph captures, with the kernel compiles in their
-    # warm-ups): a report of decode speed leaves them out and names them, as it does the load time.
-    warm_up_s = 0.0
-
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
+    def __init__(self, model: DecoderModel, setup: RunnerSetup):
+        super().__init__(model, setup)
         cfg = model.config
-        self.model, self.block_size, self.device = model, block_size, model.device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.block_size, self.device, self.eos_ids = setup.block_size, model.device, setup.eos_ids
+        self.warm_up_s = 0.0
+        shape = (setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.empty(shape, dtype=kv_dtype, device=self.device), torch.empty(shape, dtype=kv_dtype, device=self.device))
+            (torch.empty(shape, dtype=setup.kv_dtype, device=self.device),
+             torch.empty(shape, dtype=setup.kv_dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
 
-    @staticmethod
-    def kv_bytes_per_block(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) -> int:
-        cfg = model.config
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
+    def step(self, inputs: StepInput) -> StepResult:
+        step = self.prepare(inputs.batch)
+        hidden = self.forward(step)
+        logits = self.model.compute_logits(hidden[step.logit_rows])
+        return StepResult(self.model.kernels.sample(logits, step.sampling), logits,
+                          hidden if inputs.want_hidden else None)
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits [rows, vocab] float32, sampled token ids [rows]) for the rows each sequence asked for."""
-        inputs = self.prepare(batch)
-        hidden = self.forward(inputs)
-        self.last_hidden = hidden  # final hidden states of every token of the step: the MTP drafter's input
-        logits = self.model.compute_logits(hidden[inputs.logit_rows])
-        return logits, self.model.kernels.sample(logits, inputs.sampling)
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits, sampled) of one step: for tools that read a batch's logits (conformance, numerics)."""
+        result = self.step(StepInput(batch))
+        return result.logits, result.sampled
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats(warm_up_s=self.warm_up_s)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-
-    def spec_stats(self) -> dict | None:
-        """SpecStats.as_dict() of the verify steps a runner that drafts itself ran (None: the engine's count)."""
-        return None
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
         ids, positions, slots, query_lens, context_lens, rows = [], [], [], [], [], []
@@ -103,8 +164,8 @@ class ModelRunner:
         )
 
     def _slots(self, seq: Sequence, start: int, n: int) -> list[int]:
-        """Cache slots of positions start .. start + n: a range a block rather than a lookup a token (with
-        int64_tensor, a 64 x 256 prefill's prepare 7.0 -> 2.6 ms on the VM)."""
+        """Cache slots of positions start .. start + n: a range a block rather than a lookup a token, as a large
+        prefill's prepare runs on the host before every step."""
         if n == 1:  # decode's row
             return [seq.block_table[start // self.block_size] * self.block_size + start % self.block_size]
         slots, position, end = [], start, start + n

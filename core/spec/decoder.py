@@ -18,7 +18,7 @@ from ..engine.sequence import Sequence, Status
 from ..model import DecoderModel
 from ..profile import Profile
 from .adaptive import AcceptanceTracker
-from .drafter import Drafter, DraftRequest
+from .drafter import DeviceDrafter, Drafter, DraftRequest
 from .mtp import MtpDrafter
 from .ngram import NgramDrafter
 
@@ -60,15 +60,19 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
 
 class SpecDecoder:
     def __init__(self, profile: Profile, model: DecoderModel, weights: dict, blocks: BlockManager,
-                 kv_dtype: torch.dtype, max_model_len: int, runner_drafts: bool = False):
+                 kv_dtype: torch.dtype, max_model_len: int, device_drafter: DeviceDrafter | None = None):
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
-        # A runner that drafts by itself (CUDA spec chunks) gets no drafts: it fills the engine's look-ahead slots.
-        self.runner_drafts = runner_drafts
+        # A runner that drafts on its device gets no drafts: it fills the engine's look-ahead slots.
+        self.device_drafter = device_drafter
         self.drafter: Drafter = (
             MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
             if profile.spec == "mtp" else NgramDrafter()
         )
         self.stats = SpecStats()
+
+    def counters(self) -> SpecStats:
+        """The counters of whoever drafts: the runner's device drafter, else this decoder's own."""
+        return self.device_drafter.stats() if self.device_drafter else self.stats
 
     def tracker(self, seq: Sequence) -> AcceptanceTracker:
         if seq.spec_tracker is None:
@@ -87,7 +91,7 @@ class SpecDecoder:
         """Draft for the next step. `starts`: each sequence's num_computed before the step; `hidden`: the
         target's final hidden states for every token of the step."""
         requests, row = [], 0
-        if len(batch) > self.profile.spec_max_batch or self.runner_drafts:
+        if len(batch) > self.profile.spec_max_batch or self.device_drafter:
             return
         for item, start in zip(batch, starts):
             seq, first_row = item.seq, row

@@ -48,7 +48,7 @@ class MtpDrafter:
         return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
 
     def propose(self, requests: list[DraftRequest], hidden: torch.Tensor | None) -> list[list[int]]:
-        if hidden is None:  # the runner ran no model this step (CUDA look-ahead): nothing to catch up from
+        if hidden is None:  # the runner ran no model this step (it replayed a look-ahead): nothing to catch up from
             return [[] for _ in requests]
         dev = self.model.device
         # Catch-up: position p pairs the target's hidden state at p with the token at p + 1.

@@ -2,10 +2,9 @@
 
 import numpy as np
 
-from .drafter import DraftRequest
+from .drafter import NGRAM_RULE, DraftRequest
 
-# Longest suffix tried first; 1-grams match nearly anywhere and mostly propose noise.
-MIN_NGRAM, MAX_NGRAM = 2, 4
+MIN_NGRAM, MAX_NGRAM = NGRAM_RULE.min_n, NGRAM_RULE.max_n
 
 
 def lookup(tokens: list[int], k: int, min_n: int = MIN_NGRAM, max_n: int = MAX_NGRAM) -> list[int]:

@@ -3,7 +3,7 @@
 import psutil
 import torch
 
-from flashnext.core.backend import Backend, Probe
+from flashnext.core.backend import API_VERSION, FP8_KV, WIDE_KV, Backend, Capabilities, Probe
 from flashnext.core.hookspecs import hookimpl
 from flashnext.core.precision import Int4Weight
 from flashnext.core.profile import Profile
@@ -13,15 +13,11 @@ from .kernels import EXPANDED_DTYPE, CpuKernels
 
 class CpuBackend(Backend):
     name = "cpu"
+    api_version = API_VERSION
     precisions = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
     default_precision = "fp32"
-    features = {
-        "cuda_graphs": False,
-        "chunked_prefill": True,
-        "prefix_caching": True,
-        "spec_decode": True,
-        "fp8_kv_cache": True,
-    }
+    capabilities = Capabilities(chunked_prefill=True, prefix_caching=True, drafters=("ngram", "mtp"),
+                                kv_dtypes=FP8_KV + WIDE_KV, unified_memory=True)
 
     def probe(self) -> Probe:
         facts = {"threads": torch.get_num_threads(), "memory_available_bytes": psutil.virtual_memory().available}
@@ -32,6 +28,9 @@ class CpuBackend(Backend):
         full = Profile(name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512,
                        kv_cache_max_gib=2.0)
         return {"full": full, "basic": full.basic()}
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
 
     def kernels(self, precision):
         return CpuKernels()
@@ -47,9 +46,6 @@ class CpuBackend(Backend):
     def preferred_precision(self, weights: dict) -> str:
         # A checkpoint stored in 4 bits (GGUF Q4) runs as int4: same numerics as expanding it to fp32, half the bytes.
         return "int4" if any(isinstance(w, Int4Weight) for w in weights.values()) else self.default_precision
-
-    def free_memory_bytes(self) -> int:
-        return psutil.virtual_memory().available
 
 
 @hookimpl

@@ -2,7 +2,7 @@
 
 import torch
 
-from flashnext.core.backend import Backend, Probe
+from flashnext.core.backend import API_VERSION, FP8_KV, WIDE_KV, Backend, Capabilities, Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
 from flashnext.core.precision import Fp8Weight
@@ -36,19 +36,23 @@ class CudaBackend(Backend):
     name = "cuda"
     precisions = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
     default_precision = "bf16"
-    features = {
-        "cuda_graphs": True,  # decode steps replay captured graphs, several per host round trip (runner.py)
-        "chunked_prefill": True,
-        "prefix_caching": True,
-        "spec_decode": True,  # n-gram: verify steps chained on the device, row-invariant graphs (runner.py); MTP eager
-        "fp8_kv_cache": True,  # e5m2 (read as fp8, widened to fp16 for the dots) or e4m3, inside attention
-        "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
-        # fp8-e4m3 weights, per-channel scales: 16-bit activations in the small-batch GEMV, per-token fp8
-        # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM and in
-        # torch._scaled_mm for prefill-sized batches. The LM head too, if the profile asks (quantize_lm_head).
-        "fp8_weights": True,
-        "int4_weights": True,  # Triton GEMV up to 4 rows; a Triton dequant pass + the skinny GEMM / cuBLAS above
-    }
+    api_version = API_VERSION
+    capabilities = Capabilities(
+        cuda_graphs=True,  # decode steps replay captured graphs, several per host round trip (runner.py)
+        chunked_prefill=True,
+        prefix_caching=True,
+        # n-gram: verify steps chained on the device, row-invariant graphs (runner.py); MTP eager
+        drafters=("ngram", "mtp"),
+        kv_dtypes=FP8_KV + WIDE_KV,  # e5m2 (read as fp8, widened to fp16 for the dots) or e4m3, inside attention
+        extra={
+            "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
+            # fp8-e4m3 weights, per-channel scales: 16-bit activations in the small-batch GEMV, per-token fp8
+            # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM
+            # and in torch._scaled_mm for prefill-sized batches. The LM head too, if the profile asks.
+            "fp8_weights": True,
+            "int4_weights": True,  # Triton GEMV up to 4 rows; a Triton dequant pass + the skinny GEMM / cuBLAS above
+        },
+    )
 
     def probe(self) -> Probe:
         return cuda_probe()
@@ -64,6 +68,9 @@ class CudaBackend(Backend):
 
     def device(self) -> torch.device:
         return torch.device("cuda")
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.device())
 
     def kernels(self, precision):
         from .kernels import CudaKernels
@@ -110,6 +117,15 @@ class CudaBackend(Backend):
         run()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+
+    def reset_memory_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device())
+
+    def memory_peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
 
 
 def _capability() -> tuple[int, int, str]:

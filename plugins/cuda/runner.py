@@ -13,13 +13,14 @@ decoding would draw.
 
 With n-gram speculative decoding the runner drafts and verifies by itself, on the device (the engine drafts
 nothing): a "spec chunk" replays up to SPEC_CHUNK_STEPS verify steps in one round trip. Each drafts from the
-sequence's own history (the prompt lookup of NgramDrafter, in Triton), runs K + 1 query rows per sequence (each
-attending as a decode row of its own, so the numbers are decode's), samples every row, accepts the drafts up to the
-first that differs from the target's sample and appends the samples to the history. What comes back is a
-look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters stay on the
-device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec chunks or
-plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states, so it runs
-eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
+sequence's own history (DeviceNgramDrafter, drafting.py: the NgramRule lookup in Triton), runs K + 1 query rows
+per sequence (each attending as a decode row of its own, so the numbers are decode's), samples every row, accepts
+the drafts up to the first that differs from the target's sample and appends the samples to the history. What
+comes back is a look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters
+stay on the device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec
+chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states,
+so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused
+kernels.
 """
 
 import math
@@ -30,18 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashnext.core.engine.runner import ModelRunner, StepInputs
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup, RunnerStats, StepInput, StepInputs, StepResult
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Sequence
 from flashnext.core.kernels import AttentionMetadata, SamplingTensors
 from flashnext.core.profile import Profile
-from flashnext.core.spec.decoder import SpecStats, accepted_length
-
-from flashnext.core.spec.ngram import MAX_NGRAM, MIN_NGRAM, lookup
+from flashnext.core.spec.decoder import accepted_length
+from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import (GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, SPEC_STAT_FIELDS, SPEC_STOP_IDS,
-                      argmax_chunks)
+from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
+from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -129,8 +129,8 @@ class CudaGraphRunner(ModelRunner):
         """The engine builds runners from a class: bind the profile's graph settings to one."""
         return type(cls.__name__, (cls,), {"profile": profile})
 
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
-        super().__init__(model, num_blocks, block_size, kv_dtype)
+    def __init__(self, model, setup: RunnerSetup):
+        super().__init__(model, setup)
         self.kernels = model.kernels
         self.graph_captures = 0
         self.graph_replays = 0
@@ -157,7 +157,7 @@ class CudaGraphRunner(ModelRunner):
         # Two chunks ahead (the one read and the one in flight), decode or spec at their most.
         spec_ahead = 2 * SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
-        self.drafts_itself = bool(self.spec_rows)
+        self.device_drafter = DeviceNgramDrafter(self.kernels, self.verify_len - 1) if self.spec_rows else None
         self.chunk_rates: dict[int, dict[str, float]] = {}  # batch size: kind: tokens per second, smoothed
         self.verify_step_rates: dict[int, float] = {}  # batch size: verify steps a second when spec's rate was set
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
@@ -165,7 +165,6 @@ class CudaGraphRunner(ModelRunner):
         self.spec_winning: bool | None = None  # which kind the rates favoured when last asked (None: not yet)
         self.probe_left, self.probe_spec = 0, False  # a retry's second round, and its kind
         self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
-        self.spec_totals = np.zeros(SPEC_STAT_FIELDS + profile.spec_tokens, dtype=np.int64)  # see _spec_accept_kernel
         if self.use_graphs:
             self._init_static(max(self.buckets))
 
@@ -212,11 +211,15 @@ class CudaGraphRunner(ModelRunner):
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return forward(self.model, self.kernels, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
-    def run(self, batch: list[ScheduledSeq]):
+    def stats(self) -> RunnerStats:
+        return RunnerStats(self.graph_captures, self.graph_replays, self.graph_memory_bytes, self.warm_up_s)
+
+    def step(self, inputs: StepInput) -> StepResult:
+        batch = inputs.batch
         if self.use_graphs and len(batch) <= self.buckets[-1]:
             cached = self._from_lookahead(batch)
             if cached is not None:
-                return None, cached
+                return StepResult(cached)
             self._in_flight = None
             self._close_round(counted=False)  # nothing was queued behind it: the host's share did not overlap
             if all(i.num_tokens == 1 and i.num_logits == 1 for i in batch):
@@ -226,11 +229,11 @@ class CudaGraphRunner(ModelRunner):
                 if spec:
                     rows = self._spec_chunk(batch)
                     if rows is not None:
-                        return None, rows
-                return None, self._decode(batch)
+                        return StepResult(rows)
+                return StepResult(self._decode(batch))
         self._close_round(counted=False)
         self._ahead, self._in_flight = None, None
-        return super().run(batch)
+        return super().step(inputs)
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         self._round = ("decode", time.perf_counter(), self.graph_captures)
@@ -551,7 +554,7 @@ class CudaGraphRunner(ModelRunner):
 
         hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end], meanwhile=queue_next)
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
-        self.spec_totals += stats
+        self.device_drafter.totals += stats
         if stats[0]:  # verify steps taken, and the tokens they gave: one each plus the accepted drafts
             step_yield = (stats[0] + stats[3]) / stats[0]
             self.spec_step_yield += RATE_SMOOTHING * (step_yield - self.spec_step_yield)
@@ -622,8 +625,8 @@ class CudaGraphRunner(ModelRunner):
         ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
         ntok, cap, max_pos, request_seed = (self.dev_spec[i, :rows] for i in range(len(_SPEC_FIELDS)))
         hist, n_draft, context = self.dev_hist[:rows], self.dev_n_draft[:rows], self.dev_context[:t]
-        k.spec_draft((hist, ntok, cap, max_pos, request_seed, n_draft), (ids, positions, slots, context, seeds),
-                     self.dev_tables[:rows], self.block_size, q - 1, MIN_NGRAM, MAX_NGRAM)
+        self.device_drafter.draft((hist, ntok, cap, max_pos, request_seed, n_draft),
+                                  (ids, positions, slots, context, seeds), self.dev_tables[:rows], self.block_size)
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start=self.verify_query_start[: t + 1],
@@ -638,12 +641,5 @@ class CudaGraphRunner(ModelRunner):
             sampled = k.argmax_keys(logits)
         else:
             sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
-        k.spec_accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], self.dev_stops[:rows], q - 1)
-
-    def spec_stats(self) -> dict | None:
-        """The device verify steps' counters, in the engine's shape: drafts counts the verify steps that carried a
-        draft (a step whose history had no n-gram to copy verified none), as the engine's own drafter counts."""
-        if not self.drafts_itself:
-            return None
-        drafts, drafted, accepted = (int(x) for x in self.spec_totals[1:SPEC_STAT_FIELDS])
-        return SpecStats(drafts, drafted, accepted, self.spec_totals[SPEC_STAT_FIELDS:].tolist()).as_dict()
+        self.device_drafter.accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows],
+                                   self.dev_stops[:rows])

@@ -10,7 +10,7 @@ from typing import Literal
 
 import psutil
 
-from flashnext.core.backend import Backend, Probe
+from flashnext.core.backend import API_VERSION, Backend, Capabilities, Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
 from flashnext.core.loader import LoadedModel
@@ -48,13 +48,9 @@ class RknpuBackend(Backend):
     name = "rknpu"
     precisions = ("int4", "fp16")
     default_precision = "int4"
-    features = {
-        "cuda_graphs": False,
-        "chunked_prefill": True,  # in the prefill graph's chunk
-        "prefix_caching": False,  # the cache is a slot a sequence, not shared blocks
-        "spec_decode": False,
-        "fp8_kv_cache": False,
-    }
+    api_version = API_VERSION
+    # Prompts run in the prefill graph's chunk; no prefix caching: the cache is a slot a sequence, not shared blocks.
+    capabilities = Capabilities(chunked_prefill=True, max_concurrency=MAX_SEQS)
 
     export_targets = ("rk3588",)
 

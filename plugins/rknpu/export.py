@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import torch
 
-from flashnext.core.engine.runner import ModelRunner
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.errors import FlashnextError, UserError
@@ -215,7 +215,7 @@ def core_greedy(model: DecoderModel, prompt: list[int], steps: int) -> tuple[np.
     """The core's forward pass: logits of every prompt token, then `steps` greedy tokens with their logits."""
     block = 16
     blocks = -(-(len(prompt) + steps) // block)
-    runner = ModelRunner(model, blocks, block, torch.float32)
+    runner = ModelRunner(model, RunnerSetup(blocks, block, torch.float32))
     seq = Sequence(list(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
     seq.block_table = list(range(blocks))
     logits, _ = runner.run([ScheduledSeq(seq, len(prompt), len(prompt))])

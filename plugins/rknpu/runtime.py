@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from flashnext.core.config import ModelConfig
-from flashnext.core.engine.runner import ModelRunner, noise_seed
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, StepResult, noise_seed
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import Status
 from flashnext.core.errors import FlashnextError, UserError
@@ -177,8 +177,9 @@ class StaticRunner(ModelRunner):
     each prompt runs through the prefill graph a chunk at a time. The paged block tables the scheduler keeps are
     only its accounting here: every running sequence owns one cache slot."""
 
-    def __init__(self, model: StaticModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
-        self.model, self.block_size, self.device = model, block_size, torch.device("cpu")
+    def __init__(self, model: StaticModel, setup: RunnerSetup):
+        self.model, self.setup, self.block_size, self.device = model, setup, setup.block_size, torch.device("cpu")
+        self.warm_up_s = 0.0
         self.kernels = ReferenceKernels()
         self.slots: dict[int, object] = {}  # slot -> sequence
 
@@ -198,7 +199,8 @@ class StaticRunner(ModelRunner):
         self.slots[free] = seq
         return free
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, inputs: StepInput) -> StepResult:
+        batch = inputs.batch
         logits_of: dict[int, np.ndarray] = {}
         decodes = {}
         for i, item in enumerate(batch):
@@ -217,7 +219,7 @@ class StaticRunner(ModelRunner):
         rows = [torch.from_numpy(np.ascontiguousarray(logits_of[i], np.float32))
                 for i, item in enumerate(batch) if item.num_logits]
         logits = torch.cat(rows) if rows else torch.empty(0, self.model.config.vocab_size)
-        return logits, self.kernels.sample(logits, self._sampling(batch))
+        return StepResult(self.kernels.sample(logits, self._sampling(batch)), logits)
 
     def _sampling(self, batch: list[ScheduledSeq]) -> SamplingTensors:
         temps, top_ks, top_ps, seeds = [], [], [], []

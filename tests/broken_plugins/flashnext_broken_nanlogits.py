@@ -2,15 +2,15 @@
 
 import torch
 
-from flashnext.core.engine.runner import ModelRunner
+from flashnext.core.engine.runner import ModelRunner, StepResult
 from flashnext.core.hookspecs import hookimpl
 from flashnext.plugins.cpu import CpuBackend
 
 
 class NanLogitsRunner(ModelRunner):
-    def run(self, batch):
-        logits, sampled = super().run(batch)
-        return torch.full_like(logits, float("nan")), sampled
+    def step(self, inputs):
+        result = super().step(inputs)
+        return StepResult(result.sampled, torch.full_like(result.logits, float("nan")), result.hidden)
 
 
 class BrokenNanlogitsBackend(CpuBackend):

@@ -2,7 +2,7 @@
 
 import torch
 
-from flashnext.core.backend import Probe
+from flashnext.core.backend import API_VERSION, Probe
 from flashnext.core.hookspecs import hookimpl
 from flashnext.plugins.cpu import CpuBackend
 from flashnext.plugins.cpu.kernels import CpuKernels
@@ -19,6 +19,7 @@ class ToyKernels(CpuKernels):
 
 class ToyBackend(CpuBackend):
     name = "toy"
+    api_version = API_VERSION  # the plugin contract it was written for; it inherits the CPU backend's capabilities
 
     def probe(self) -> Probe:
         # Below the CPU backend's score: an example must never win `--backend auto`.
