@@ -157,8 +157,8 @@ class Backend:
 
     def device_telemetry(self) -> dict:
         """What the device reports now, for /health and /metrics; any subset of: temperature_celsius {zone: float},
-        memory_clock_mhz, memory_clock_max_mhz, gpu_clock_mhz, gpu_load_ratio (floats), power_mode (str). Empty where nothing can be read. Other
-        keys a backend adds appear in /health only."""
+        memory_clock_mhz, memory_clock_max_mhz, gpu_clock_mhz, gpu_load_ratio (floats), power_mode (str). Empty
+        where nothing can be read. Other keys a backend adds appear in /health only."""
         return {}
 
     def preferred_precision(self, weights: dict) -> str:
@@ -180,14 +180,6 @@ class Backend:
         from .loader import load_model
 
         return load_model(spec)
-
-    def build_model(self, loaded, precision: Precision, profile: Profile, quantized_head: bool):
-        """What the runner runs: the core's DecoderModel on this backend's device and kernels, or a backend's own
-        model with the same `config`, `dtype` and `device` attributes (its runner_class then runs it)."""
-        from .model import DecoderModel
-
-        return DecoderModel(loaded.config, loaded.weights, self.kernels(precision), precision, self.device(),
-                            self.activation_dtype(precision), self.head_dtype(precision), quantized_head)
 
     def runner_class(self, profile: Profile):
         """A class implementing core.engine.runner.Runner; default the generic ModelRunner over a DecoderModel."""
