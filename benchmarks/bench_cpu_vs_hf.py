@@ -48,8 +48,10 @@ PROSE = (
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a Llama-family model (default: the embedded SmolLM2-135M Q4_1 GGUF); llama.cpp "
-                                   "needs a .gguf file")
+    p.add_argument(
+        "--model",
+        help="a Llama-family model (default: the embedded SmolLM2-135M Q4_1 GGUF); llama.cpp needs a .gguf file",
+    )
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
     p.add_argument("--precisions", default="int4", help="flashnext precisions to run, comma-separated")
     p.add_argument("--prompt-lens", default="32,1000", help="prompt lengths in tokens, comma-separated")
@@ -63,12 +65,26 @@ def parse_args(argv=None):
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or platform.machine())
-    return {"host": platform.node(), "cpu": cpu, "logical_cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "flashnext": version("flashnext"), "python": platform.python_version(),
-            "onnxruntime": _version("onnxruntime"), "transformers": _version("transformers"),
-            "load_average": os.getloadavg()}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or platform.machine(),
+    )
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "flashnext": version("flashnext"),
+        "python": platform.python_version(),
+        "onnxruntime": _version("onnxruntime"),
+        "transformers": _version("transformers"),
+        "load_average": os.getloadavg(),
+    }
 
 
 def _version(package: str) -> str | None:
@@ -84,8 +100,10 @@ def llamacpp_build() -> dict | None:
         import llama_cpp
     except ImportError:
         return None
-    return {"llama_cpp_python": llama_cpp.__version__,
-            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,8 +131,9 @@ def llamacpp_runner(gguf: Path, max_len: int):
     import llama_cpp
 
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max_len, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=max_len, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+    )
 
     def run(ids, gen_len):
         llm.reset()  # no reuse of the last run's KV cache: every run prefills the whole prompt
@@ -138,15 +157,26 @@ def transformers_runner(loaded, folder: Path):
     if c.architecture != "llama" or c.rope_scaling is not None:
         raise SystemExit(f"this benchmark compares against LlamaForCausalLM; {loaded.source} is not a plain Llama")
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=None, pad_token_id=0,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     # Our canonical names are HF's: LlamaForCausalLM loads our dequantized weights the usual way.
-    state = {k: (w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)).float().contiguous()
-             for k, w in loaded.weights.items()}
+    state = {
+        k: (w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)).float().contiguous()
+        for k, w in loaded.weights.items()
+    }
     config.save_pretrained(folder)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -167,10 +197,14 @@ def transformers_runner(loaded, folder: Path):
         clock = TokenClock()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=gen_len,
-                                 stopping_criteria=transformers.StoppingCriteriaList([clock]))
-        return start, clock.times, out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=gen_len,
+                stopping_criteria=transformers.StoppingCriteriaList([clock]),
+            )
+        return start, clock.times, out[0, len(ids) :].tolist()
 
     return run
 
@@ -204,8 +238,11 @@ def runners(args, loaded, gguf: Path | None, max_len: int, folder: Path, only: s
 
 def rates(start: float, times: list[float], prompt_len: int) -> dict:
     ttft = times[0] - start
-    return {"ttft_s": ttft, "prefill_tok_s": prompt_len / ttft,
-            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}
+    return {
+        "ttft_s": ttft,
+        "prefill_tok_s": prompt_len / ttft,
+        "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+    }
 
 
 def prompt_ids(loaded, length: int) -> list[int]:
@@ -216,11 +253,30 @@ def peak_rss_mib(key: tuple[str, str], args, gguf: Path | None) -> float:
     """Peak RSS of a fresh process that loads the model with one engine and runs the longest prompt once."""
     prompt_len = max(int(n) for n in args.prompt_lens.split(","))
     if key[0] == "llama.cpp":
-        cmd = [sys.executable, "-c", LLAMACPP_RSS, str(gguf), str(prompt_len), str(args.gen_len),
-               str(torch.get_num_threads())]
+        cmd = [
+            sys.executable,
+            "-c",
+            LLAMACPP_RSS,
+            str(gguf),
+            str(prompt_len),
+            str(args.gen_len),
+            str(torch.get_num_threads()),
+        ]
     else:
-        cmd = [sys.executable, __file__, "--rss-child", "/".join(key), "--engines", key[0], "--gen-len",
-               str(args.gen_len), "--prompt-lens", str(prompt_len), "--precisions", key[1]]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--rss-child",
+            "/".join(key),
+            "--engines",
+            key[0],
+            "--gen-len",
+            str(args.gen_len),
+            "--prompt-lens",
+            str(prompt_len),
+            "--precisions",
+            key[1],
+        ]
         cmd += ["--model", args.model] if args.model else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -232,8 +288,9 @@ def rss_child(args, gguf: Path | None, prompt_len: int, max_len: int) -> None:
     key = tuple(args.rss_child.split("/"))
     loaded = load_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        runners(args, loaded, gguf, max_len, Path(tmp), only=args.rss_child)[key](prompt_ids(loaded, prompt_len),
-                                                                                   args.gen_len)
+        runners(args, loaded, gguf, max_len, Path(tmp), only=args.rss_child)[key](
+            prompt_ids(loaded, prompt_len), args.gen_len
+        )
     print(peak_rss_of_this_process())
 
 
@@ -279,12 +336,14 @@ def main(argv=None):
                 outputs[(length, *key)] = run(ids, args.gen_len)[2]
             for rep in range(args.repeats):
                 order = list(engines.items())
-                for key, run in order[rep % len(order):] + order[: rep % len(order)]:  # who goes first rotates
+                for key, run in order[rep % len(order) :] + order[: rep % len(order)]:  # who goes first rotates
                     start, times, _ = run(ids, args.gen_len)
                     samples.setdefault((length, *key), []).append(rates(start, times, len(ids)))
-                    console.log(f"prompt {len(ids)} rep {rep + 1}/{args.repeats} {key[0]} {key[1]}: prefill "
-                                f"{samples[(length, *key)][-1]['prefill_tok_s']:.1f}, decode "
-                                f"{samples[(length, *key)][-1]['decode_tok_s']:.1f} tok/s")
+                    console.log(
+                        f"prompt {len(ids)} rep {rep + 1}/{args.repeats} {key[0]} {key[1]}: prefill "
+                        f"{samples[(length, *key)][-1]['prefill_tok_s']:.1f}, decode "
+                        f"{samples[(length, *key)][-1]['decode_tok_s']:.1f} tok/s"
+                    )
     rss = {} if args.no_rss else {key: peak_rss_mib(key, args, gguf) for key in engines}
     rows = summarize(samples, outputs, rss, args, load_before)
     print_table(rows)
@@ -295,10 +354,16 @@ def main(argv=None):
 
 
 def summarize(samples: dict, outputs: dict, rss: dict, args, load_before) -> list[dict]:
-    base = {"machine": machine() | {"load_average_before": load_before}, "llama_cpp": llamacpp_build(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (embedded)", "backend": "cpu", "batch_size": 1,
-            "gen_len": args.gen_len, "repeats": args.repeats}
+    base = {
+        "machine": machine() | {"load_average_before": load_before},
+        "llama_cpp": llamacpp_build(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (embedded)",
+        "backend": "cpu",
+        "batch_size": 1,
+        "gen_len": args.gen_len,
+        "repeats": args.repeats,
+    }
     medians = {key: {m: statistics.median(s[m] for s in runs) for m in runs[0]} for key, runs in samples.items()}
     rows = []
     for (length, engine, precision), med in medians.items():
@@ -309,33 +374,59 @@ def summarize(samples: dict, outputs: dict, rss: dict, args, load_before) -> lis
             row["prefill_vs_llamacpp"] = med["prefill_tok_s"] / medians[ref]["prefill_tok_s"]
             row["decode_vs_llamacpp"] = med["decode_tok_s"] / medians[ref]["decode_tok_s"]
             # Per-run ratios with the engines alternated: robust to load that drifts over the run.
-            ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(samples[(length, engine, precision)],
-                                                                            samples[ref])]
+            ratios = [
+                a["decode_tok_s"] / b["decode_tok_s"]
+                for a, b in zip(samples[(length, engine, precision)], samples[ref])
+            ]
             row["decode_vs_llamacpp_median_of_runs"] = statistics.median(ratios)
             mine, theirs = outputs[(length, engine, precision)], outputs[ref]
-            row["tokens_agreeing_with_llamacpp"] = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
-                                                        min(len(mine), len(theirs)))
+            row["tokens_agreeing_with_llamacpp"] = next(
+                (i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs))
+            )
         rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     m = rows[0]["machine"]
-    table = Table(title=f"batch 1, {rows[0]['gen_len']} new tokens · {m['cpu']}, {m['threads']} threads, torch "
-                        f"{m['torch']}, load average {m['load_average_before'][0]:.1f}")
-    for col in ("prompt", "engine", "precision", "prefill tok/s", "decode tok/s", "prefill ×llama.cpp",
-                "decode ×llama.cpp", "peak RSS MiB", "tokens = llama.cpp"):
+    table = Table(
+        title=f"batch 1, {rows[0]['gen_len']} new tokens · {m['cpu']}, {m['threads']} threads, torch "
+        f"{m['torch']}, load average {m['load_average_before'][0]:.1f}"
+    )
+    for col in (
+        "prompt",
+        "engine",
+        "precision",
+        "prefill tok/s",
+        "decode tok/s",
+        "prefill ×llama.cpp",
+        "decode ×llama.cpp",
+        "peak RSS MiB",
+        "tokens = llama.cpp",
+    ):
         table.add_column(col, justify="left" if col in ("engine", "precision") else "right")
     for r in rows:
+
         def cell(key, fmt="{:.2f}"):
             return fmt.format(r[key]) if r.get(key) is not None else "—"
-        table.add_row(str(r["prompt_len"]), r["engine"], r["precision"], cell("prefill_tok_s", "{:.1f}"),
-                      cell("decode_tok_s", "{:.1f}"), cell("prefill_vs_llamacpp"), cell("decode_vs_llamacpp"),
-                      cell("peak_rss_mib", "{:.0f}"), cell("tokens_agreeing_with_llamacpp", "{}"))
+
+        table.add_row(
+            str(r["prompt_len"]),
+            r["engine"],
+            r["precision"],
+            cell("prefill_tok_s", "{:.1f}"),
+            cell("decode_tok_s", "{:.1f}"),
+            cell("prefill_vs_llamacpp"),
+            cell("decode_vs_llamacpp"),
+            cell("peak_rss_mib", "{:.0f}"),
+            cell("tokens_agreeing_with_llamacpp", "{}"),
+        )
     Console().print(table)
     if rows[0]["llama_cpp"]:
-        Console().print(f"llama.cpp: llama-cpp-python {rows[0]['llama_cpp']['llama_cpp_python']}; "
-                        f"{rows[0]['llama_cpp']['system_info']}")
+        Console().print(
+            f"llama.cpp: llama-cpp-python {rows[0]['llama_cpp']['llama_cpp_python']}; "
+            f"{rows[0]['llama_cpp']['system_info']}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def section(name):
             results["sections"][name] = out
             print(f"   ({time.perf_counter() - start:.1f} s)", flush=True)
             return out
+
         return run
+
     return wrap
 
 
@@ -65,8 +67,15 @@ def release():
 
 
 def make_llm(loaded, precision="bf16", profile=None, max_num_seqs=64, **extra):
-    return LLM(model=loaded, backend="cuda", precision=precision, profile=profile, max_model_len=PROMPT + GEN + 64,
-               max_num_seqs=max_num_seqs, **extra)
+    return LLM(
+        model=loaded,
+        backend="cuda",
+        precision=precision,
+        profile=profile,
+        max_model_len=PROMPT + GEN + 64,
+        max_num_seqs=max_num_seqs,
+        **extra,
+    )
 
 
 def prompt_logits(runner, prompts: list[list[int]], block_size: int) -> torch.Tensor:
@@ -84,9 +93,20 @@ def prompt_logits(runner, prompts: list[list[int]], block_size: int) -> torch.Te
 
 @section("kernel tests (pytest, compiled on the GPU)")
 def kernel_tests(out_dir: Path):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda_kernels.py",
-                           "tests/test_cuda_runner.py"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cuda_kernels.py",
+            "tests/test_cuda_runner.py",
+        ],
+        capture_output=True,
+        text=True,
+    )
     (out_dir / "pytest_cuda.log").write_text(proc.stdout + proc.stderr)
     summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     print("   ", summary[-1] if summary else proc.stdout[-2000:])
@@ -98,8 +118,9 @@ def numerics(loaded):
     gen = torch.Generator().manual_seed(7)
     prompts = torch.randint(0, loaded.config.vocab_size, (4, 64), generator=gen).tolist()
     out = {}
-    ref_model = DecoderModel(loaded.config, loaded.weights, ReferenceKernels(), PRECISIONS["bf16"],
-                             torch.device("cuda"), torch.bfloat16)
+    ref_model = DecoderModel(
+        loaded.config, loaded.weights, ReferenceKernels(), PRECISIONS["bf16"], torch.device("cuda"), torch.bfloat16
+    )
     ref_logits = prompt_logits(ModelRunner(ref_model, RunnerSetup(64, 16, torch.bfloat16)), prompts, 16)
     del ref_model
     release()
@@ -110,7 +131,9 @@ def numerics(loaded):
         if precision == "bf16":
             base = logits
             out["bf16_fused_vs_reference_nmse"] = nmse(logits, ref_logits)
-            out["bf16_fused_vs_reference_argmax_agree"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+            out["bf16_fused_vs_reference_argmax_agree"] = float(
+                (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()
+            )
         else:
             out[f"{precision}_vs_bf16_nmse"] = nmse(logits, base)
             out[f"{precision}_vs_bf16_argmax_agree"] = float((logits.argmax(-1) == base.argmax(-1)).float().mean())
@@ -144,8 +167,10 @@ def graph_vs_eager(loaded):
         del llm
         release()
     same = sum(a == b for a, b in zip(tokens["full"], tokens["basic"]))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-              for a, b in zip(tokens["full"], tokens["basic"])]
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for a, b in zip(tokens["full"], tokens["basic"])
+    ]
     # Sampled (temperature > 0) decoding: seeded noise, so graphs + look-ahead must give the eager tokens too.
     sampled = {}
     sparams = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=24, ignore_eos=True, seed=5)
@@ -154,8 +179,13 @@ def graph_vs_eager(loaded):
         sampled[profile] = [s.output_ids for s in llm.engine.generate(prompts[:3], sparams)]
         del llm
         release()
-    out = {"identical_sequences": same, "sequences": len(prompts), "matching_prefix_lengths": prefix,
-           "sampled_identical": sum(a == b for a, b in zip(sampled["full"], sampled["basic"])), **counters}
+    out = {
+        "identical_sequences": same,
+        "sequences": len(prompts),
+        "matching_prefix_lengths": prefix,
+        "sampled_identical": sum(a == b for a, b in zip(sampled["full"], sampled["basic"])),
+        **counters,
+    }
     print("   ", out)
     return out
 
@@ -201,34 +231,70 @@ def kernel_timings(loaded):
     slot = torch.tensor([300], device=dev)
     from flashnext.core.kernels import AttentionMetadata
 
-    meta = AttentionMetadata(slot, torch.tensor([0, 1], dtype=torch.int32, device=dev),
-                             torch.tensor([384], dtype=torch.int32, device=dev),
-                             torch.arange(24, dtype=torch.int32, device=dev).unsqueeze(0), 1, 384)
-    q = k.qkv_rope_store(qkv, layer.q_norm, layer.k_norm, 1e-6, pos, model.cos_sin, kc, vc, slot,
-                         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    meta = AttentionMetadata(
+        slot,
+        torch.tensor([0, 1], dtype=torch.int32, device=dev),
+        torch.tensor([384], dtype=torch.int32, device=dev),
+        torch.arange(24, dtype=torch.int32, device=dev).unsqueeze(0),
+        1,
+        384,
+    )
+    q = k.qkv_rope_store(
+        qkv,
+        layer.q_norm,
+        layer.k_norm,
+        1e-6,
+        pos,
+        model.cos_sin,
+        kc,
+        vc,
+        slot,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
     split = CudaKernels(decode_splits=16)
     t = {
         "fused add_rmsnorm+qkv gemv": cuda_time_us(lambda: k.norm_linear(x, res, layer.input_norm, 1e-6, layer.qkv)),
         "add_rmsnorm (triton)": cuda_time_us(lambda: k.add_rmsnorm(x, res, layer.input_norm, 1e-6)),
         "qkv F.linear (cublas)": cuda_time_us(lambda: torch.nn.functional.linear(x, layer.qkv)),
-        "qk-norm+rope+kv write": cuda_time_us(lambda: k.qkv_rope_store(
-            qkv, layer.q_norm, layer.k_norm, 1e-6, pos, model.cos_sin, kc, vc, slot, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim)),
+        "qk-norm+rope+kv write": cuda_time_us(
+            lambda: k.qkv_rope_store(
+                qkv,
+                layer.q_norm,
+                layer.k_norm,
+                1e-6,
+                pos,
+                model.cos_sin,
+                kc,
+                vc,
+                slot,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
+        ),
         "attention ctx 384 (1 split)": cuda_time_us(lambda: k.attention(q, kc, vc, meta, model.scale)),
         "attention ctx 384 (16 splits)": cuda_time_us(lambda: split.attention(q, kc, vc, meta, model.scale)),
         "o F.linear": cuda_time_us(lambda: torch.nn.functional.linear(attn, layer.o)),
         "fused add_rmsnorm+gate_up gemv+silu": cuda_time_us(
-            lambda: k.norm_linear(x, res, layer.post_norm, 1e-6, layer.gate_up, silu=True)),
+            lambda: k.norm_linear(x, res, layer.post_norm, 1e-6, layer.gate_up, silu=True)
+        ),
         "gate_up F.linear": cuda_time_us(lambda: torch.nn.functional.linear(x, layer.gate_up)),
         "silu_and_mul": cuda_time_us(lambda: k.silu_and_mul(gu)),
         "down F.linear": cuda_time_us(lambda: torch.nn.functional.linear(act, layer.down)),
         "lm_head F.linear (vocab 151936)": cuda_time_us(lambda: model.compute_logits(hidden), iters=50),
         "argmax over vocab": cuda_time_us(lambda: torch.randn(1, cfg.vocab_size, device=dev).argmax(-1), iters=50),
     }
-    weight_bytes = {"fused add_rmsnorm+qkv gemv": layer.qkv.numel() * 2, "qkv F.linear (cublas)": layer.qkv.numel() * 2,
-                    "fused add_rmsnorm+gate_up gemv+silu": layer.gate_up.numel() * 2,
-                    "gate_up F.linear": layer.gate_up.numel() * 2, "o F.linear": layer.o.numel() * 2,
-                    "down F.linear": layer.down.numel() * 2, "lm_head F.linear (vocab 151936)": model.lm_head.numel() * 2}
+    weight_bytes = {
+        "fused add_rmsnorm+qkv gemv": layer.qkv.numel() * 2,
+        "qkv F.linear (cublas)": layer.qkv.numel() * 2,
+        "fused add_rmsnorm+gate_up gemv+silu": layer.gate_up.numel() * 2,
+        "gate_up F.linear": layer.gate_up.numel() * 2,
+        "o F.linear": layer.o.numel() * 2,
+        "down F.linear": layer.down.numel() * 2,
+        "lm_head F.linear (vocab 151936)": model.lm_head.numel() * 2,
+    }
     out = {}
     for name, us in t.items():
         gbs = weight_bytes.get(name, 0) / (us * 1e-6) / 1e9 if name in weight_bytes else None
@@ -280,9 +346,13 @@ def decode_step_profile(llm, bucket: int) -> dict:
         item[0] += 1
         item[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"bucket": bucket, "graph_step_us": round(step_us, 1), "tok_s_gpu_only": round(bucket * 1e6 / step_us, 0),
-            "kernels_per_step": len(events),
-            "top_kernels_eager_us": {n: {"count": c, "us": round(us, 1)} for n, (c, us) in top}}
+    return {
+        "bucket": bucket,
+        "graph_step_us": round(step_us, 1),
+        "tok_s_gpu_only": round(bucket * 1e6 / step_us, 0),
+        "kernels_per_step": len(events),
+        "top_kernels_eager_us": {n: {"count": c, "us": round(us, 1)} for n, (c, us) in top},
+    }
 
 
 def rotating_time_us(fn_for_layer, layers: int, iters: int = 112) -> float:
@@ -306,8 +376,12 @@ def gemm_sweep(loaded):
         llm = make_llm(loaded, precision)
         model = llm.engine.model
         cfg, layers = model.config, model.layers
-        widths = {"qkv": cfg.hidden_size, "o": cfg.num_heads * cfg.head_dim, "gate_up": cfg.hidden_size,
-                  "down": cfg.intermediate_size}
+        widths = {
+            "qkv": cfg.hidden_size,
+            "o": cfg.num_heads * cfg.head_dim,
+            "gate_up": cfg.hidden_size,
+            "down": cfg.intermediate_size,
+        }
         for rows in (1, 64):
             for name, width in widths.items():
                 if time.perf_counter() - STARTED > SWEEP_DEADLINE_S:
@@ -328,7 +402,8 @@ def gemm_sweep(loaded):
                         variants[f"register gemv {conf}"] = lambda i, c=conf: k.gemv(x, weight(i), config=c)
                 if precision == "int4":
                     variants["dequant+cublas"] = lambda i: torch.nn.functional.linear(
-                        x, k.int4_dequantize(weight(i), x.dtype))
+                        x, k.int4_dequantize(weight(i), x.dtype)
+                    )
                     if rows > 2:  # what linear does with a batch: the dequantization pass, then the skinny GEMM
                         variants["linear: dequant+skinny"] = lambda i: k.linear(x, weight(i))
                 else:
@@ -346,9 +421,13 @@ def gemm_sweep(loaded):
                 timed = {v: t for v, t in row.items() if isinstance(t, float)}
                 best = min(timed, key=timed.get) if timed else None
                 out[f"{precision} rows={rows} {name}"] = row
-                print(f"    {precision:8s} rows={rows:2d} {name:8s} best {best} {timed.get(best, 0):6.2f} us | "
-                      + " ".join(f"{v.split(' ', 1)[0][:4]}{v[v.find('('):] if '(' in v else ''}={t}" for v, t in row.items()),
-                      flush=True)
+                print(
+                    f"    {precision:8s} rows={rows:2d} {name:8s} best {best} {timed.get(best, 0):6.2f} us | "
+                    + " ".join(
+                        f"{v.split(' ', 1)[0][:4]}{v[v.find('(') :] if '(' in v else ''}={t}" for v, t in row.items()
+                    ),
+                    flush=True,
+                )
         del llm
         release()
     return out
@@ -359,15 +438,24 @@ def engine_benchmarks(loaded, quick: bool):
     rows, steps = [], []
     results["engine_rows"], results["decode_steps"] = rows, steps
     # Without the fused register GEMV: bf16 projections through cuBLAS, quantized ones through the skinny GEMM.
-    unfused = {"variant": "no-fused-gemv", "configure": lambda llm: vars(llm.engine.model.kernels).update(
-        register_gemv=False, skinny_dense=False)}
+    unfused = {
+        "variant": "no-fused-gemv",
+        "configure": lambda llm: vars(llm.engine.model.kernels).update(register_gemv=False, skinny_dense=False),
+    }
     fp8_kv = {"variant": "kv-fp8-e5m2", "kv_cache_dtype": "fp8-e5m2"}
     fp8_head = {"variant": "kv-e5m2+fp8head", "kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True}
     int4_fp8_head = {"variant": "fp8head", "quantize_lm_head": True}  # the opt-in 8-bit head of int4 weights
-    configs = [("bf16", "full", [1, 8, 64], {}), ("bf16", "full", [1], unfused), ("bf16", "basic", [1, 64], {}),
-               ("fp8-e4m3", "full", [1, 64], {}), ("fp8-e4m3", "full", [64], fp8_kv),
-               ("fp8-e4m3", "full", [64], fp8_head), ("bf16", "full", [64], fp8_kv), ("int4", "full", [1, 64], {}),
-               ("int4", "full", [1], int4_fp8_head)]
+    configs = [
+        ("bf16", "full", [1, 8, 64], {}),
+        ("bf16", "full", [1], unfused),
+        ("bf16", "basic", [1, 64], {}),
+        ("fp8-e4m3", "full", [1, 64], {}),
+        ("fp8-e4m3", "full", [64], fp8_kv),
+        ("fp8-e4m3", "full", [64], fp8_head),
+        ("bf16", "full", [64], fp8_kv),
+        ("int4", "full", [1, 64], {}),
+        ("int4", "full", [1], int4_fp8_head),
+    ]
     if quick:
         configs = [c for c in configs if c[1] == "full"]
     for precision, profile, sizes, extra in configs:
@@ -382,8 +470,11 @@ def engine_benchmarks(loaded, quick: bool):
             row["variant"] = variant
         rows += r
         for row in r:
-            print(f"    {precision:9s} {profile:6s} {variant:12s} b={row['batch_size']:3d} ttft={row['ttft_s']:.4f}s "
-                  f"decode={row['decode_tok_s']:9.1f} tok/s e2e={row['throughput_tok_s']:9.1f} tok/s", flush=True)
+            print(
+                f"    {precision:9s} {profile:6s} {variant:12s} b={row['batch_size']:3d} ttft={row['ttft_s']:.4f}s "
+                f"decode={row['decode_tok_s']:9.1f} tok/s e2e={row['throughput_tok_s']:9.1f} tok/s",
+                flush=True,
+            )
         if profile == "full" and variant == "default":
             llm = make_llm(loaded, precision, "full", max_num_seqs=64)
             for b in (1, 64):
@@ -394,16 +485,21 @@ def engine_benchmarks(loaded, quick: bool):
                     print(p["error"])
                     continue
                 steps.append(p)
-                print(f"    step {precision} b={b}: {p['graph_step_us']} us/step on GPU, "
-                      f"{p['kernels_per_step']} kernels", flush=True)
+                print(
+                    f"    step {precision} b={b}: {p['graph_step_us']} us/step on GPU, {p['kernels_per_step']} kernels",
+                    flush=True,
+                )
             del llm
         release()
     return {"rows": rows, "decode_steps": steps}
 
 
 RATIO_ROUNDS = 3
-FP8_RATIO_ROWS = {"bf16": ("bf16", {}), "fp8+fp8kv": ("fp8-e4m3", {"kv_cache_dtype": "fp8-e5m2"}),
-                  "fp8+fp8kv+fp8 head": ("fp8-e4m3", {"kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True})}
+FP8_RATIO_ROWS = {
+    "bf16": ("bf16", {}),
+    "fp8+fp8kv": ("fp8-e4m3", {"kv_cache_dtype": "fp8-e5m2"}),
+    "fp8+fp8kv+fp8 head": ("fp8-e4m3", {"kv_cache_dtype": "fp8-e5m2", "quantize_lm_head": True}),
+}
 
 
 @section(f"fp8 / bf16 decode at batch 64, {RATIO_ROUNDS} interleaved rounds")
@@ -431,11 +527,18 @@ def hf_baseline(loaded):
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     cfg = loaded.config
-    hf_cfg = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, tie_word_embeddings=True,
-                         max_position_embeddings=cfg.max_position_embeddings)
+    hf_cfg = Qwen3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
     out = {"transformers": transformers.__version__}
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, cfg.vocab_size, (64, PROMPT), generator=gen).tolist()
@@ -466,25 +569,32 @@ def hf_baseline(loaded):
 
 
 def summary(res: dict) -> list[str]:
-    rows = {(r["precision"], r["profile"], r.get("variant", "default"), r["batch_size"]): r
-            for r in res.get("engine_rows", [])}
+    rows = {
+        (r["precision"], r["profile"], r.get("variant", "default"), r["batch_size"]): r
+        for r in res.get("engine_rows", [])
+    }
     hf = res["sections"].get("HF transformers generate_batch baseline (64 x 256 in, 128 out)", {})
 
     def get(p, prof, b, key, variant="default"):
         r = rows.get((p, prof, variant, b))
         return r[key] if r else float("nan")
 
-    lines = [f"{'precision':9s} {'profile':7s} {'variant':12s} {'batch':>5s} {'ttft s':>8s} {'decode tok/s':>13s} "
-             f"{'e2e tok/s':>10s}"]
+    lines = [
+        f"{'precision':9s} {'profile':7s} {'variant':12s} {'batch':>5s} {'ttft s':>8s} {'decode tok/s':>13s} "
+        f"{'e2e tok/s':>10s}"
+    ]
     for (p, prof, variant, b), r in rows.items():
-        lines.append(f"{p:9s} {prof:7s} {variant:12s} {b:5d} {r['ttft_s']:8.4f} {r['decode_tok_s']:13.1f} "
-                     f"{r['throughput_tok_s']:10.1f}")
+        lines.append(
+            f"{p:9s} {prof:7s} {variant:12s} {b:5d} {r['ttft_s']:8.4f} {r['decode_tok_s']:13.1f} "
+            f"{r['throughput_tok_s']:10.1f}"
+        )
     decode = "decode_tok_s"
     ratios = {
         "graph/eager decode b=1": get("bf16", "full", 1, decode) / get("bf16", "basic", 1, decode),
         "graph/eager decode b=64": get("bf16", "full", 64, decode) / get("bf16", "basic", 64, decode),
         "fp8/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode) / get("bf16", "full", 64, decode),
-        "fp8+fp8kv/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-fp8-e5m2") / get("bf16", "full", 64, decode),
+        "fp8+fp8kv/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-fp8-e5m2")
+        / get("bf16", "full", 64, decode),
         "fp8+fp8kv+fp8 head/bf16 decode b=64": get("fp8-e4m3", "full", 64, decode, "kv-e5m2+fp8head")
         / get("bf16", "full", 64, decode),
         "int4/bf16 decode b=1": get("int4", "full", 1, decode) / get("bf16", "full", 1, decode),

@@ -155,16 +155,20 @@ def main(argv=None):
 
 
 def print_table(r: dict):
-    title = (f"{r['backend']} · {r['model']} · {r['precision']} · profile {r['profile']['name']} · "
-             f"{r['num_requests']} requests · {r['wall_s']:.1f} s")
+    title = (
+        f"{r['backend']} · {r['model']} · {r['precision']} · profile {r['profile']['name']} · "
+        f"{r['num_requests']} requests · {r['wall_s']:.1f} s"
+    )
     table = Table("metric", "value", title=title)
     table.add_row("output tok/s", f"{r['output_tok_s']:.1f}")
     table.add_row("total tok/s (prompt + output)", f"{r['total_tok_s']:.1f}")
     table.add_row("requests/s", f"{r['requests_per_s']:.3f}")
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency")):
         p = r[key]
-        table.add_row(f"{label} p50 / p90 / p99 (ms)",
-                      " / ".join("-" if p[q] is None else f"{1000 * p[q]:.1f}" for q in ("p50", "p90", "p99")))
+        table.add_row(
+            f"{label} p50 / p90 / p99 (ms)",
+            " / ".join("-" if p[q] is None else f"{1000 * p[q]:.1f}" for q in ("p50", "p90", "p99")),
+        )
     table.add_row("preemptions · prefill chunks", f"{r['preemptions']} · {r['prefill_chunks']}")
     Console().print(table)
 

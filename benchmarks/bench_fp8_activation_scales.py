@@ -22,8 +22,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures import shakespeare_text  # noqa: E402
-from numerics import engine_logits, perplexity  # noqa: E402
-
 from flashnext.core.cli_bench import machine_name  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
@@ -31,13 +29,25 @@ from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import Fp8Weight, fp8_quantize_per_token  # noqa: E402
 from flashnext.plugins.cpu.kernels import CpuKernels  # noqa: E402
 from flashnext.plugins.cuda.kernels import heads_per_scale, silu_fp8_group  # noqa: E402
+from numerics import engine_logits, perplexity  # noqa: E402
 
 PASSAGE_TOKENS = 1024
-CHATS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
-         "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
-         "Translate 'good morning' to French."]
-CASES = ["16-bit activations", "per token", "o input grouped only", "down input grouped only",
-         "grouped as CUDA decode steps", "1 x 128 blocks everywhere"]
+CHATS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?",
+    "What is the largest planet in the solar system?",
+    "Translate 'good morning' to French.",
+]
+CASES = [
+    "16-bit activations",
+    "per token",
+    "o input grouped only",
+    "down input grouped only",
+    "grouped as CUDA decode steps",
+    "1 x 128 blocks everywhere",
+]
 
 
 def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -52,11 +62,13 @@ def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
 def rounded_input_linear(weight_type: type, round_x):
     """CpuKernels.linear whose weights of weight_type first see their input as round_x(x, w) (fp32), then multiply
     in fp32, the products the quantized kernels sum; other weights run as the backend runs them."""
+
     def linear(self, x, w, bias=None):
         if not isinstance(w, weight_type):
             return CpuKernels_linear(self, x, w, bias)
         out = F.linear(round_x(x, w), w.dequantize(torch.float32)).to(x.dtype)
         return out if bias is None else out + bias.to(x.dtype)
+
     return linear
 
 
@@ -85,9 +97,11 @@ def case_linear(case: str, model):
     """The wrapped linear of a case (None: the CPU backend's own, 16-bit activations)."""
     if case == "16-bit activations":
         return None
-    groups = {"o input grouped only": cuda_groups(model, down=False),
-              "down input grouped only": cuda_groups(model, o=False),
-              "grouped as CUDA decode steps": cuda_groups(model)}.get(case, {})
+    groups = {
+        "o input grouped only": cuda_groups(model, down=False),
+        "down input grouped only": cuda_groups(model, o=False),
+        "grouped as CUDA decode steps": cuda_groups(model),
+    }.get(case, {})
     return quantizing_linear(groups, 128 if case == "1 x 128 blocks everywhere" else None)
 
 
@@ -101,8 +115,8 @@ def score_cases(argv, description: str, precision: str, cases: list[str], linear
     args = p.parse_args(argv)
     loaded = load_model(None)
     text = shakespeare_text("hamlet_gut.txt")
-    ids = loaded.tokenizer.encode(text[text.index("ACT I."):])
-    passages = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.passages)]
+    ids = loaded.tokenizer.encode(text[text.index("ACT I.") :])
+    passages = [ids[i * args.tokens : (i + 1) * args.tokens] for i in range(args.passages)]
     rows = []
     for case in cases:
         llm = LLM(loaded, backend="cpu", precision=precision, max_num_seqs=4, max_model_len=args.tokens + 64)
@@ -113,8 +127,16 @@ def score_cases(argv, description: str, precision: str, cases: list[str], linear
             ppl = [perplexity(engine_logits(llm, passage), passage) for passage in passages]
         finally:
             CpuKernels.linear = CpuKernels_linear
-        rows.append({"case": case, "perplexity": ppl, "answers": answers, "machine": machine_name(llm.engine.backend),
-                     "tokens_a_passage": args.tokens, "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")})
+        rows.append(
+            {
+                "case": case,
+                "perplexity": ppl,
+                "answers": answers,
+                "machine": machine_name(llm.engine.backend),
+                "tokens_a_passage": args.tokens,
+                "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+            }
+        )
         print(f"{case:30s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2) + "\n")

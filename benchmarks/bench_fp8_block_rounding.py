@@ -23,15 +23,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_fp8_activation_scales import CHATS  # noqa: E402
-from fixtures import shakespeare_text  # noqa: E402
-from numerics import engine_logits, perplexity  # noqa: E402
 
+from fixtures import shakespeare_text  # noqa: E402
 from flashnext.core.cli_bench import machine_name  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import Fp8Weight, block_multipliers, fp8_block_weight, fp8_quantize  # noqa: E402
 from flashnext.plugins.cpu import CpuBackend  # noqa: E402
+from numerics import engine_logits, perplexity  # noqa: E402
 
 BLOCK = (128, 128)
 
@@ -49,7 +49,7 @@ def block_fp8(w: torch.Tensor, block=BLOCK) -> Fp8Weight:
 
 
 def nmse(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return float(((approx - exact) ** 2).sum() / (exact ** 2).sum())
+    return float(((approx - exact) ** 2).sum() / (exact**2).sum())
 
 
 def weight_rows(seed: int = 0) -> list[dict]:
@@ -60,18 +60,24 @@ def weight_rows(seed: int = 0) -> list[dict]:
         "normal": torch.randn(2048, 2048, generator=g),
         "student-t 3": t3.sample((2048, 2048)),
         "student-t 3, rows spread e^U(0,1)": t3.sample((2048, 2048)) * torch.rand(2048, 1, generator=g).exp(),
-        "normal, columns spread e^U(0,3)":
-            torch.randn(2048, 2048, generator=g) * (3 * torch.rand(1, 2048, generator=g)).exp(),
+        "normal, columns spread e^U(0,3)": torch.randn(2048, 2048, generator=g)
+        * (3 * torch.rand(1, 2048, generator=g)).exp(),
     }
     rows = []
     for name, w in cases.items():
         block = block_fp8(w)
-        row = {"weights": name, "block fp8": nmse(block.dequantize(), w),
-               "rounded again a row": nmse(fp8_quantize(block.dequantize()).dequantize(), w),
-               "fp8 a row from the original": nmse(fp8_quantize(w).dequantize(), w)}
+        row = {
+            "weights": name,
+            "block fp8": nmse(block.dequantize(), w),
+            "rounded again a row": nmse(fp8_quantize(block.dequantize()).dequantize(), w),
+            "fp8 a row from the original": nmse(fp8_quantize(w).dequantize(), w),
+        }
         rows.append(row)
-        print(f"{name:36s} NMSE  block {row['block fp8']:.2e}  again a row {row['rounded again a row']:.2e}"
-              f"  a row from the original {row['fp8 a row from the original']:.2e}", flush=True)
+        print(
+            f"{name:36s} NMSE  block {row['block fp8']:.2e}  again a row {row['rounded again a row']:.2e}"
+            f"  a row from the original {row['fp8 a row from the original']:.2e}",
+            flush=True,
+        )
     return rows
 
 
@@ -79,18 +85,28 @@ def text_rows(passages: int, tokens: int) -> list[dict]:
     loaded = load_model(None)
     original = {n: (w.dequantize() if "_proj." in n else w) for n, w in loaded.weights.items()}
     stored = {n: (block_fp8(w) if "_proj." in n else w) for n, w in original.items()}
-    cases = {"original (Q4_1 values), fp32": (original, "fp32"), "block fp8 as its values, fp32": (stored, "fp32"),
-             "block fp8 rounded again a row, fp8-e4m3": (stored, "fp8-e4m3"),
-             "fp8 a row from the original, fp8-e4m3": (original, "fp8-e4m3")}
+    cases = {
+        "original (Q4_1 values), fp32": (original, "fp32"),
+        "block fp8 as its values, fp32": (stored, "fp32"),
+        "block fp8 rounded again a row, fp8-e4m3": (stored, "fp8-e4m3"),
+        "fp8 a row from the original, fp8-e4m3": (original, "fp8-e4m3"),
+    }
     text = shakespeare_text("hamlet_gut.txt")
-    ids = loaded.tokenizer.encode(text[text.index("ACT I."):])
+    ids = loaded.tokenizer.encode(text[text.index("ACT I.") :])
     rows = []
     for case, (weights, precision) in cases.items():
-        llm = LLM(replace(loaded, weights=weights), backend="cpu", precision=precision, max_num_seqs=4,
-                  max_model_len=tokens + 64)
+        llm = LLM(
+            replace(loaded, weights=weights),
+            backend="cpu",
+            precision=precision,
+            max_num_seqs=4,
+            max_model_len=tokens + 64,
+        )
         answers = [c.text for c in llm.generate(CHATS, SamplingParams(max_tokens=16), chat=True)]
-        ppl = [perplexity(engine_logits(llm, ids[i * tokens:(i + 1) * tokens]), ids[i * tokens:(i + 1) * tokens])
-               for i in range(passages)]
+        ppl = [
+            perplexity(engine_logits(llm, ids[i * tokens : (i + 1) * tokens]), ids[i * tokens : (i + 1) * tokens])
+            for i in range(passages)
+        ]
         rows.append({"case": case, "perplexity": ppl, "answers": answers, "tokens_a_passage": tokens})
         print(f"{case:42s} perplexity {' '.join(f'{x:.3f}' for x in ppl)}  {answers[0]!r}", flush=True)
     return rows
@@ -102,9 +118,12 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=512, help="tokens a passage")
     p.add_argument("--passages", type=int, default=1, help="consecutive passages of Hamlet, each scored apart")
     args = p.parse_args(argv)
-    result = {"weights": weight_rows(), "text": text_rows(args.passages, args.tokens),
-              "machine": machine_name(CpuBackend()),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+    result = {
+        "weights": weight_rows(),
+        "text": text_rows(args.passages, args.tokens),
+        "machine": machine_name(CpuBackend()),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+    }
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -17,9 +17,9 @@ import time
 from unittest import mock
 
 import torch
-
 from bench_cuda import rotating_time_us
 from bench_shapes import CONFIGS, names
+
 from flashnext.core.precision import Int4Weight, int4_quantize
 from flashnext.plugins.cuda.kernels import CudaKernels
 
@@ -28,8 +28,12 @@ L2_PAST_BYTES = 150e6  # an H200 has 50 MB of L2
 
 def projections(cfg) -> dict[str, tuple[int, int]]:
     q = cfg.num_heads * cfg.head_dim
-    return {"qkv": (q + 2 * cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size), "o": (cfg.hidden_size, q),
-            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
+    return {
+        "qkv": (q + 2 * cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+        "o": (cfg.hidden_size, q),
+        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "down": (cfg.hidden_size, cfg.intermediate_size),
+    }
 
 
 def route(kernels: CudaKernels, x, w: Int4Weight) -> str:
@@ -59,24 +63,36 @@ def measure(kernels: CudaKernels, shape: str, proj: str, n: int, k: int, rows_li
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         want = x.double() @ dense.double().T
         got = kernels.linear(x, w).double()
-        row = dict(shape=shape, proj=proj, n=n, k=k, rows=rows, group=group, route=route(kernels, x, w),
-                   nmse=float(((got - want) ** 2).mean() / (want ** 2).mean()))
+        row = dict(
+            shape=shape,
+            proj=proj,
+            n=n,
+            k=k,
+            rows=rows,
+            group=group,
+            route=route(kernels, x, w),
+            nmse=float(((got - want) ** 2).mean() / (want**2).mean()),
+        )
         row["int4_us"] = us_a_call(lambda i: kernels.linear(x, int4s[i]), copies)
         with mock.patch.object(CudaKernels, "_wide_int4", lambda self, x, w: False):
             row["route_without_wide"] = route(kernels, x, w)
             row["int4_without_wide_us"] = us_a_call(lambda i: kernels.linear(x, int4s[i]), copies)
         row["bf16_us"] = us_a_call(lambda i: kernels.linear(x, bf16s[i]), bf16_copies)
         out.append(row)
-        print(f"{shape:11} {proj:8} {rows:3}  {row['route']:11} {row['int4_us']:7.2f}   "
-              f"{row['route_without_wide']:11} {row['int4_without_wide_us']:7.2f}   bf16 {row['bf16_us']:7.2f}"
-              f"   nmse {row['nmse']:.1e}", flush=True)
+        print(
+            f"{shape:11} {proj:8} {rows:3}  {row['route']:11} {row['int4_us']:7.2f}   "
+            f"{row['route_without_wide']:11} {row['int4_without_wide_us']:7.2f}   bf16 {row['bf16_us']:7.2f}"
+            f"   nmse {row['nmse']:.1e}",
+            flush=True,
+        )
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", type=lambda t: names(t, CONFIGS), default=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b",
-                                                                          "qwen3-8b"])
+    p.add_argument(
+        "--shapes", type=lambda t: names(t, CONFIGS), default=["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"]
+    )
     p.add_argument("--rows", default="8,24,32,64", help="comma-separated row counts (decode batch sizes)")
     p.add_argument("--group", type=int, default=128, help="int4 columns a scale (GGUF's Q4 blocks: 32)")
     p.add_argument("--json", dest="json_path")
@@ -94,8 +110,16 @@ def main(argv=None) -> int:
             results += measure(kernels, shape, proj, n, k, rows_list, args.group)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"bench": "int4_routes", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
+            json.dump(
+                {
+                    "bench": "int4_routes",
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "device": torch.cuda.get_device_name(),
+                    "rows": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -96,9 +96,16 @@ def measure(args) -> dict:
     cfg = loaded.config
     # A KV cache just big enough for the prompt (fp32-sized), so the cache stays small next to activations.
     kv_bytes = (args.prompt_len + 64) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-    llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile="full",
-              chunked_prefill=chunked, max_num_batched_tokens=args.chunk if chunked else args.prompt_len,
-              max_num_seqs=1, kv_cache_max_gib=kv_bytes / GIB)
+    llm = LLM(
+        model=loaded,
+        backend=args.backend,
+        precision=args.precision,
+        profile="full",
+        chunked_prefill=chunked,
+        max_num_batched_tokens=args.chunk if chunked else args.prompt_len,
+        max_num_seqs=1,
+        kv_cache_max_gib=kv_bytes / GIB,
+    )
     engine = llm.engine
     engine.generate([list(range(100, 164))], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     for k_cache, v_cache in engine.runner.kv_caches:
@@ -117,13 +124,20 @@ def measure(args) -> dict:
     prefill_s = time.perf_counter() - start
     peak = meter.peak()
     return {
-        "mode": args.child, "chunk": args.chunk if chunked else args.prompt_len, "steps": steps,
-        "baseline_bytes": before, "peak_bytes": peak, "activation_peak_bytes": peak - before,
+        "mode": args.child,
+        "chunk": args.chunk if chunked else args.prompt_len,
+        "steps": steps,
+        "baseline_bytes": before,
+        "peak_bytes": peak,
+        "activation_peak_bytes": peak - before,
         "prefill_s": prefill_s,
-        "kv_cache_bytes": engine.blocks.num_blocks * engine.runner.kv_bytes_per_block(
-            engine.model, engine.profile.block_size, engine.kv_dtype),
-        "backend": llm.info.backend, "model": llm.loaded.name, "precision": engine.precision.name,
-        "device": str(engine.model.device), "threads": torch.get_num_threads(),
+        "kv_cache_bytes": engine.blocks.num_blocks
+        * engine.runner.kv_bytes_per_block(engine.model, engine.profile.block_size, engine.kv_dtype),
+        "backend": llm.info.backend,
+        "model": llm.loaded.name,
+        "precision": engine.precision.name,
+        "device": str(engine.model.device),
+        "threads": torch.get_num_threads(),
         "method": "cuda max_memory_allocated" if isinstance(meter, CudaPeak) else "linux VmHWM after clear_refs",
     }
 
@@ -135,8 +149,18 @@ def main(argv=None):
         return None
     runs = {}
     for mode in ("unchunked", "chunked"):
-        cmd = [sys.executable, __file__, "--child", mode, "--backend", args.backend,
-               "--prompt-len", str(args.prompt_len), "--chunk", str(args.chunk)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--backend",
+            args.backend,
+            "--prompt-len",
+            str(args.prompt_len),
+            "--chunk",
+            str(args.chunk),
+        ]
         cmd += ["--model", args.model] if args.model else []
         cmd += ["--shape", args.shape] if args.shape else []
         cmd += ["--precision", args.precision] if args.precision else []
@@ -147,17 +171,26 @@ def main(argv=None):
         runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     whole, chunked = runs["unchunked"], runs["chunked"]
     ratio = chunked["activation_peak_bytes"] / whole["activation_peak_bytes"]
-    print(f"{whole['backend']} · {whole['model']} · {whole['precision']} · prompt {args.prompt_len} tokens · "
-          f"{whole['method']}")
+    print(
+        f"{whole['backend']} · {whole['model']} · {whole['precision']} · prompt {args.prompt_len} tokens · "
+        f"{whole['method']}"
+    )
     print(f"{'mode':<10} {'chunk':>6} {'steps':>6} {'activation peak MiB':>20} {'prefill s':>10}")
     for r in (whole, chunked):
-        print(f"{r['mode']:<10} {r['chunk']:>6} {r['steps']:>6} {r['activation_peak_bytes'] / MIB:>20.1f} "
-              f"{r['prefill_s']:>10.2f}")
+        print(
+            f"{r['mode']:<10} {r['chunk']:>6} {r['steps']:>6} {r['activation_peak_bytes'] / MIB:>20.1f} "
+            f"{r['prefill_s']:>10.2f}"
+        )
     print(f"chunked / unchunked activation peak: {ratio:.3f}")
     result = {
-        "bench": "prefill_memory", "prompt_len": args.prompt_len, "chunk": args.chunk, "ratio": ratio,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "flashnext_version": version("flashnext"),
-        "machine": machine(whole), "runs": [whole, chunked],
+        "bench": "prefill_memory",
+        "prompt_len": args.prompt_len,
+        "chunk": args.chunk,
+        "ratio": ratio,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "flashnext_version": version("flashnext"),
+        "machine": machine(whole),
+        "runs": [whole, chunked],
     }
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")

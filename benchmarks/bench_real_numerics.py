@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from numerics import SMOLLM_PROMPTS, engine_logits  # noqa: E402
-
 from flashnext.core.cli_bench import machine_name  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
+from numerics import SMOLLM_PROMPTS, engine_logits  # noqa: E402
 
 
 def measure(loaded, backend: str, precision: str) -> tuple[list[torch.Tensor], list[list[int]], str]:
@@ -53,17 +52,31 @@ def main(argv=None):
         logits, greedy, _ = measure(loaded, args.backend, precision)
         err = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(logits, ref_logits))
         nmse = err / sum(float(b.double().pow(2).sum()) for b in ref_logits)
-        rows.append({
-            "precision": precision, "reference": "bf16", "logits_nmse": nmse,
-            "greedy_common_prefix": [common_prefix(g, r) for g, r in zip(greedy, ref_greedy)],
-            "greedy_match": round(sum(x == y for g, r in zip(greedy, ref_greedy) for x, y in zip(g, r))
-                                  / sum(len(r) for r in ref_greedy), 4),
-        })
-        print(f"{precision:10s} NMSE {nmse:.3e}  greedy common prefix {rows[-1]['greedy_common_prefix']}"
-              f"  match {rows[-1]['greedy_match']:.3f}")
-    common = {"machine": machine, "backend": args.backend, "model": args.model or "SmolLM2-135M-Instruct Q4_1",
-              "prompts": len(SMOLLM_PROMPTS), "greedy_tokens": 32,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        rows.append(
+            {
+                "precision": precision,
+                "reference": "bf16",
+                "logits_nmse": nmse,
+                "greedy_common_prefix": [common_prefix(g, r) for g, r in zip(greedy, ref_greedy)],
+                "greedy_match": round(
+                    sum(x == y for g, r in zip(greedy, ref_greedy) for x, y in zip(g, r))
+                    / sum(len(r) for r in ref_greedy),
+                    4,
+                ),
+            }
+        )
+        print(
+            f"{precision:10s} NMSE {nmse:.3e}  greedy common prefix {rows[-1]['greedy_common_prefix']}"
+            f"  match {rows[-1]['greedy_match']:.3f}"
+        )
+    common = {
+        "machine": machine,
+        "backend": args.backend,
+        "model": args.model or "SmolLM2-135M-Instruct Q4_1",
+        "prompts": len(SMOLLM_PROMPTS),
+        "greedy_tokens": 32,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump([common | r for r in rows], f, indent=2)

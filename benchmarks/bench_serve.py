@@ -35,8 +35,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashnext.core.cli_bench import machine_name
 from flashnext.core import registry
+from flashnext.core.cli_bench import machine_name
 
 
 def parse_args(argv=None):
@@ -67,8 +67,18 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from flashnext.core.cli import main; main()", "serve", "--port", str(port),
-           "--backend", args.backend, "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from flashnext.core.cli import main; main()",
+        "serve",
+        "--port",
+        str(port),
+        "--backend",
+        args.backend,
+        "--log-level",
+        "warning",
+    ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
     proc = subprocess.Popen(cmd)
@@ -88,9 +98,15 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 async def one_request(client, model: str, prompt: list[int], gen_len: int) -> dict:
     start = time.perf_counter()
     stamps, tokens = [], 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=gen_len, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=gen_len,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
@@ -104,10 +120,13 @@ async def drive(url: str, args) -> tuple[list[dict], float, str]:
     rng = random.Random(args.seed)
     (p_lo, p_hi), (g_lo, g_hi) = _span(args.prompt_len), _span(args.gen_len)
     # Ids below 256 exist in every byte-level vocabulary, so any served model takes these prompts.
-    jobs = [([rng.randrange(256) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(g_lo, g_hi))
-            for _ in range(args.num_requests)]
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"),
-                                max_retries=0, timeout=3600)
+    jobs = [
+        ([rng.randrange(256) for _ in range(rng.randint(p_lo, p_hi))], rng.randint(g_lo, g_hi))
+        for _ in range(args.num_requests)
+    ]
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"), max_retries=0, timeout=3600
+    )
     model = (await client.models.list()).data[0].id
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -127,9 +146,14 @@ def summarize(results: list[dict], elapsed: float) -> dict:
     gaps = np.array([g for r in results for g in r["gaps"]] or [0.0])
     tokens = sum(r["tokens"] for r in results)
     pct = lambda a: {f"p{q}": round(float(np.percentile(a, q)) * 1000, 2) for q in (50, 90, 99)}  # noqa: E731
-    return {"duration_s": round(elapsed, 3), "requests_per_s": round(len(results) / elapsed, 3),
-            "output_tok_s": round(tokens / elapsed, 2), "output_tokens": tokens,
-            "ttft_ms": pct(ttft), "itl_ms": pct(gaps)}
+    return {
+        "duration_s": round(elapsed, 3),
+        "requests_per_s": round(len(results) / elapsed, 3),
+        "output_tok_s": round(tokens / elapsed, 2),
+        "output_tokens": tokens,
+        "ttft_ms": pct(ttft),
+        "itl_ms": pct(gaps),
+    }
 
 
 def resident_mib(pid: int) -> float:
@@ -144,13 +168,26 @@ async def soak_request(client, model: str, rng: random.Random, i: int) -> int:
     hangup, stream = i % 10 == 9, i % 3 != 0
     if i % 2:
         prompt = [rng.randrange(256) for _ in range(rng.randint(8, 64))]
-        call = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0.7, seed=i,
-                                         stop=["\n\n"], stream=stream or hangup, extra_body={"ignore_eos": True})
+        call = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=gen,
+            temperature=0.7,
+            seed=i,
+            stop=["\n\n"],
+            stream=stream or hangup,
+            extra_body={"ignore_eos": True},
+        )
         size = len(prompt)
     else:
         text = f"Request {i}: " + " ".join(str(rng.randrange(10**6)) for _ in range(rng.randint(2, 24)))
-        call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                              max_tokens=gen, temperature=0, stream=stream or hangup)
+        call = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=gen,
+            temperature=0,
+            stream=stream or hangup,
+        )
         size = 30 + len(text) // 2  # the template's tokens plus about one token per two characters
     reply = await call
     if stream or hangup:
@@ -163,8 +200,9 @@ async def soak_request(client, model: str, rng: random.Random, i: int) -> int:
 
 async def soak_round(url: str, args, round_index: int, concurrency: int) -> int:
     rng = random.Random(args.seed * 1_000_003 + round_index)
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"),
-                                max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key=os.environ.get("FLASHNEXT_API_KEY", "none"), max_retries=0, timeout=600
+    )
     model = (await client.models.list()).data[0].id
     gate = asyncio.Semaphore(concurrency)
 
@@ -182,8 +220,15 @@ def soak(args, proc: subprocess.Popen, url: str) -> dict:
     blocks, block_size = health["kv_cache"]["blocks_total"], health["kv_cache"]["block_size"]
     rows, tokens, warm_rounds = [], 0, None
     start_mib = resident_mib(proc.pid)
-    table = Table("round", "phase", "s", "KV cycled", "RSS MiB", "vs first measured",
-                  title=f"flashnext serve soak: {args.round_size} requests a round")
+    table = Table(
+        "round",
+        "phase",
+        "s",
+        "KV cycled",
+        "RSS MiB",
+        "vs first measured",
+        title=f"flashnext serve soak: {args.round_size} requests a round",
+    )
     console = Console()
     round_index = 0
     while warm_rounds is None or round_index < warm_rounds + args.rounds:
@@ -194,24 +239,40 @@ def soak(args, proc: subprocess.Popen, url: str) -> dict:
         if warm_rounds is None and cycled >= 1.0:
             warm_rounds = round_index + 2  # every block touched once, then one more round
         phase = "warm-up" if warm_rounds is None or round_index < warm_rounds else "measured"
-        rows.append({"round": round_index, "phase": phase, "seconds": round(time.perf_counter() - t0, 2),
-                     "kv_cycled": round(cycled, 3), "rss_mib": round(rss, 1)})
+        rows.append(
+            {
+                "round": round_index,
+                "phase": phase,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "kv_cycled": round(cycled, 3),
+                "rss_mib": round(rss, 1),
+            }
+        )
         round_index += 1
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     measured = [r for r in rows if r["phase"] == "measured"]
     first = measured[0]["rss_mib"]
     for r in rows:
         growth = f"{(r['rss_mib'] / first - 1) * 100:+.1f}%" if r["phase"] == "measured" else ""
-        table.add_row(str(r["round"]), r["phase"], str(r["seconds"]), f"{r['kv_cycled']:.0%}", f"{r['rss_mib']:.0f}",
-                      growth)
+        table.add_row(
+            str(r["round"]), r["phase"], str(r["seconds"]), f"{r['kv_cycled']:.0%}", f"{r['rss_mib']:.0f}", growth
+        )
     console.print(table)
     growth = measured[-1]["rss_mib"] / first - 1
     peak_growth = max(r["rss_mib"] for r in measured) / first - 1
     final = httpx.get(f"{url}/health").json()
-    return {"start_rss_mib": round(start_mib, 1), "rounds": rows, "kv_blocks": blocks, "block_size": block_size,
-            "growth_after_warm_up": round(growth, 4), "peak_growth_after_warm_up": round(peak_growth, 4),
-            "max_growth": args.max_growth, "passed": growth <= args.max_growth and peak_growth <= args.max_growth,
-            "blocks_free_at_end": final["kv_cache"]["blocks_free"], "health": final}
+    return {
+        "start_rss_mib": round(start_mib, 1),
+        "rounds": rows,
+        "kv_blocks": blocks,
+        "block_size": block_size,
+        "growth_after_warm_up": round(growth, 4),
+        "peak_growth_after_warm_up": round(peak_growth, 4),
+        "max_growth": args.max_growth,
+        "passed": growth <= args.max_growth and peak_growth <= args.max_growth,
+        "blocks_free_at_end": final["kv_cache"]["blocks_free"],
+        "health": final,
+    }
 
 
 def main(argv=None):
@@ -226,16 +287,41 @@ def main(argv=None):
         if proc:
             proc.terminate()
             proc.wait(30)
-    row = {"machine": machine_name(registry.select(registry.discover(), health["backend"]).backend),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": health["backend"],
-           "model": model, "precision": health["precision"], "profile": health["profile"],
-           "num_requests": args.num_requests, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
-           "gen_len": args.gen_len, **summarize(results, elapsed), "flashnext": version("flashnext")}
-    table = Table("backend", "model", "reqs", "conc", "req/s", "out tok/s", "TTFT p50/p90/p99 ms",
-                  "ITL p50/p90/p99 ms", title=f"flashnext serve over HTTP ({row['machine']})")
-    table.add_row(row["backend"], model, str(args.num_requests), str(args.concurrency), f"{row['requests_per_s']}",
-                  f"{row['output_tok_s']}", "/".join(str(v) for v in row["ttft_ms"].values()),
-                  "/".join(str(v) for v in row["itl_ms"].values()))
+    row = {
+        "machine": machine_name(registry.select(registry.discover(), health["backend"]).backend),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "backend": health["backend"],
+        "model": model,
+        "precision": health["precision"],
+        "profile": health["profile"],
+        "num_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        **summarize(results, elapsed),
+        "flashnext": version("flashnext"),
+    }
+    table = Table(
+        "backend",
+        "model",
+        "reqs",
+        "conc",
+        "req/s",
+        "out tok/s",
+        "TTFT p50/p90/p99 ms",
+        "ITL p50/p90/p99 ms",
+        title=f"flashnext serve over HTTP ({row['machine']})",
+    )
+    table.add_row(
+        row["backend"],
+        model,
+        str(args.num_requests),
+        str(args.concurrency),
+        f"{row['requests_per_s']}",
+        f"{row['output_tok_s']}",
+        "/".join(str(v) for v in row["ttft_ms"].values()),
+        "/".join(str(v) for v in row["itl_ms"].values()),
+    )
     Console().print(table)
     if args.json_path:
         with open(args.json_path, "w") as f:
@@ -251,13 +337,21 @@ def main_soak(args):
     finally:
         proc.terminate()
         proc.wait(30)
-    result = {"machine": machine_name(torch.device("cpu" if args.backend == "cpu" else "cuda")),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backend": result["health"]["backend"],
-              "model": result["health"]["model"], "round_size": args.round_size, "concurrency": args.concurrency,
-              "env": {k: v for k, v in os.environ.items() if k.startswith("FLASHNEXT_") and k != "FLASHNEXT_API_KEY"},
-              **result, "flashnext": version("flashnext")}
-    print(f"growth after warm-up: {result['growth_after_warm_up']:+.1%} (peak {result['peak_growth_after_warm_up']:+.1%},"
-          f" allowed {args.max_growth:.0%}); blocks free at the end: {result['blocks_free_at_end']}/{result['kv_blocks']}")
+    result = {
+        "machine": machine_name(torch.device("cpu" if args.backend == "cpu" else "cuda")),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "backend": result["health"]["backend"],
+        "model": result["health"]["model"],
+        "round_size": args.round_size,
+        "concurrency": args.concurrency,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("FLASHNEXT_") and k != "FLASHNEXT_API_KEY"},
+        **result,
+        "flashnext": version("flashnext"),
+    }
+    print(
+        f"growth after warm-up: {result['growth_after_warm_up']:+.1%} (peak {result['peak_growth_after_warm_up']:+.1%},"
+        f" allowed {args.max_growth:.0%}); blocks free at the end: {result['blocks_free_at_end']}/{result['kv_blocks']}"
+    )
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(result, f, indent=2)

@@ -46,8 +46,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="auto")
     p.add_argument("--shapes", type=lambda t: names(t, CONFIGS), default=["qwen3-0.6b", *LARGER])
-    p.add_argument("--precisions", type=lambda t: names(t, PRECISIONS), default=["bf16", "fp8-e4m3", "int4"],
-                   help="the first is the others' baseline")
+    p.add_argument(
+        "--precisions",
+        type=lambda t: names(t, PRECISIONS),
+        default=["bf16", "fp8-e4m3", "int4"],
+        help="the first is the others' baseline",
+    )
     p.add_argument("--batch-sizes", default="1,4", help="comma-separated, e.g. 1,4")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=128)
@@ -63,8 +67,10 @@ def shape_rows(shape: str, args, device: torch.device) -> list[dict]:
     rows = []
     for precision in args.precisions:
         for row in bench_rows(loaded, args.backend, precision, None, args.batch_sizes, args.prompt_len, args.gen_len):
-            rows.append(row | {"params": params, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
-                               "ffn": cfg.intermediate_size})
+            rows.append(
+                row
+                | {"params": params, "layers": cfg.num_layers, "hidden": cfg.hidden_size, "ffn": cfg.intermediate_size}
+            )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     base = {r["batch_size"]: r["decode_tok_s"] for r in rows if r["precision"] == rows[0]["precision"]}
@@ -82,20 +88,43 @@ def main(argv=None):
     rows = []
     for shape in args.shapes:
         rows += shape_rows(shape, args, device)
-    table = Table(title=f"decode, {args.prompt_len} in / {args.gen_len} out a request, random weights",
-                  caption="peak MiB counts the random bf16 weights too, which every precision's engine is built from")
+    table = Table(
+        title=f"decode, {args.prompt_len} in / {args.gen_len} out a request, random weights",
+        caption="peak MiB counts the random bf16 weights too, which every precision's engine is built from",
+    )
     ratio = f"decode_over_{args.precisions[0]}"
-    for col in ("shape", "params (B)", "precision", "batch", "decode tok/s", f"/ {args.precisions[0]}", "TTFT ms",
-                "peak MiB"):
+    for col in (
+        "shape",
+        "params (B)",
+        "precision",
+        "batch",
+        "decode tok/s",
+        f"/ {args.precisions[0]}",
+        "TTFT ms",
+        "peak MiB",
+    ):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["shape"].removeprefix("random:"), f"{r['params'] / 1e9:.2f}", r["precision"],
-                      str(r["batch_size"]), f"{r['decode_tok_s']:,.1f}", f"{r[ratio]:.2f}x", f"{r['ttft_s'] * 1e3:.1f}",
-                      f"{r['peak_memory_bytes'] / 2**20:,.0f}")
+        table.add_row(
+            r["shape"].removeprefix("random:"),
+            f"{r['params'] / 1e9:.2f}",
+            r["precision"],
+            str(r["batch_size"]),
+            f"{r['decode_tok_s']:,.1f}",
+            f"{r[ratio]:.2f}x",
+            f"{r['ttft_s'] * 1e3:.1f}",
+            f"{r['peak_memory_bytes'] / 2**20:,.0f}",
+        )
     Console().print(table)
     if args.json_path:
-        result = {"bench": "decode_by_shape", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "machine": rows[0]["machine"], "prompt_len": args.prompt_len, "gen_len": args.gen_len, "rows": rows}
+        result = {
+            "bench": "decode_by_shape",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": rows[0]["machine"],
+            "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len,
+            "rows": rows,
+        }
         with open(args.json_path, "w") as f:
             json.dump(result, f, indent=1)
 

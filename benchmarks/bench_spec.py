@@ -77,13 +77,19 @@ def parse_args(argv=None):
     p.add_argument("--profile")
     p.add_argument("--methods", default="none,ngram,ngram-fixed", help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--spec-tokens", type=int, default=4)
-    p.add_argument("--kinds", default="copy-heavy,free-form",
-                   help="prompt kinds in the order they run (what ran before a request is what the chooser knows)")
+    p.add_argument(
+        "--kinds",
+        default="copy-heavy,free-form",
+        help="prompt kinds in the order they run (what ran before a request is what the chooser knows)",
+    )
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="times each prompt is timed (the best run counts)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="decode --gen-len tokens past the end of the answer (default: stop where the model ends its "
-                        "turn, as a user's request does; past it a chat model writes new text, not a copy)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="decode --gen-len tokens past the end of the answer (default: stop where the model ends its "
+        "turn, as a user's request does; past it a chat model writes new text, not a copy)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a shared VM)")
     p.add_argument("--json", dest="json_path", help="write the result list here")
     p.add_argument("--in-process", action="store_true", help="every method in this process, one after another")
@@ -101,8 +107,9 @@ def parse_args(argv=None):
 
 def prompt_sets(llm: LLM, random_weights: bool, kinds: list[str]) -> dict[str, list[list[int]]]:
     if not random_weights:
-        return {kind: [llm.encode(p, chat=llm.tokenizer.chat_template is not None) for p in KINDS[kind]]
-                for kind in kinds}
+        return {
+            kind: [llm.encode(p, chat=llm.tokenizer.chat_template is not None) for p in KINDS[kind]] for kind in kinds
+        }
     rng, vocab = random.Random(0), llm.engine.config.vocab_size
     passages = [[rng.randrange(vocab) for _ in range(96)] for _ in range(3)]
     token_sets = {"copy-heavy": [p + p[:8] for p in passages], "free-form": [p[:104] for p in passages[::-1]]}
@@ -125,14 +132,27 @@ def bench_method(args, loaded, method: str) -> list[dict]:
     # No prefix cache: a repeat would prefill only the uncached tail of its prompt, which rounds differently in
     # 16 bits and so decodes other tokens; without it every run of a prompt decodes the same tokens, and the
     # fastest run of each method times the same text.
-    llm = LLM(model=loaded, backend=args.backend, precision=args.precision, profile=args.profile,
-              spec_tokens=args.spec_tokens, prefix_caching=False, **METHODS[method])
+    llm = LLM(
+        model=loaded,
+        backend=args.backend,
+        precision=args.precision,
+        profile=args.profile,
+        spec_tokens=args.spec_tokens,
+        prefix_caching=False,
+        **METHODS[method],
+    )
     prompts = prompt_sets(llm, random_weights=bool(args.shape), kinds=args.kinds.split(","))
     common = {
-        "machine": machine_name(llm.engine.backend), "backend": llm.info.backend,
-        "model": args.shape or llm.info.model, "precision": llm.engine.precision.name,
-        "spec_tokens": args.spec_tokens, "gen_len": args.gen_len, "ignore_eos": args.ignore_eos, "batch_size": 1,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "flashnext": version("flashnext"),
+        "machine": machine_name(llm.engine.backend),
+        "backend": llm.info.backend,
+        "model": args.shape or llm.info.model,
+        "precision": llm.engine.precision.name,
+        "spec_tokens": args.spec_tokens,
+        "gen_len": args.gen_len,
+        "ignore_eos": args.ignore_eos,
+        "batch_size": 1,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "flashnext": version("flashnext"),
     }
     decode_run(llm, next(iter(prompts.values()))[0], 8, True)  # warm-up
     rows = []
@@ -143,30 +163,58 @@ def bench_method(args, loaded, method: str) -> list[dict]:
             runs = [decode_run(llm, prompt, args.gen_len, args.ignore_eos) for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r[0] / max(r[1], 1))
             seconds, tokens = seconds + best[0], tokens + best[1]
-            per_prompt.append({"decode_s": round(best[0], 5), "tokens": best[1], "same_tokens_every_run":
-                               all(r[2] == runs[0][2] for r in runs)})
+            per_prompt.append(
+                {
+                    "decode_s": round(best[0], 5),
+                    "tokens": best[1],
+                    "same_tokens_every_run": all(r[2] == runs[0][2] for r in runs),
+                }
+            )
             outputs.append(runs[0][2])
         after = llm.engine.spec_stats()
         drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
         drafts = after["drafts"] - before["drafts"]
-        per_position = [a - b for a, b in zip(after["accepted_per_position"],
-                                              before["accepted_per_position"] + [0] * len(after["accepted_per_position"]))]
-        rows.append(common | {
-            "method": method, "prompts": kind, "decode_tok_s": round(tokens / seconds, 2),
-            "drafts": drafts, "drafted": drafted, "accepted": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
-            # Share of verify steps whose draft at position i was accepted (vLLM's per-position acceptance).
-            "acceptance_per_position": [round(n / drafts, 4) for n in per_position] if drafts else [],
-            "per_prompt": per_prompt, "outputs": outputs,
-        })
+        per_position = [
+            a - b
+            for a, b in zip(
+                after["accepted_per_position"],
+                before["accepted_per_position"] + [0] * len(after["accepted_per_position"]),
+            )
+        ]
+        rows.append(
+            common
+            | {
+                "method": method,
+                "prompts": kind,
+                "decode_tok_s": round(tokens / seconds, 2),
+                "drafts": drafts,
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+                # Share of verify steps whose draft at position i was accepted (vLLM's per-position acceptance).
+                "acceptance_per_position": [round(n / drafts, 4) for n in per_position] if drafts else [],
+                "per_prompt": per_prompt,
+                "outputs": outputs,
+            }
+        )
     return rows
 
 
 def child_argv(args) -> list[str]:
     """The options a child process needs to bench one method as this run would."""
-    argv = ["--backend", args.backend, "--spec-tokens", str(args.spec_tokens), "--gen-len", str(args.gen_len),
-            "--repeats", str(args.repeats), "--kinds", args.kinds] + (["--ignore-eos"] if args.ignore_eos else [])
+    argv = [
+        "--backend",
+        args.backend,
+        "--spec-tokens",
+        str(args.spec_tokens),
+        "--gen-len",
+        str(args.gen_len),
+        "--repeats",
+        str(args.repeats),
+        "--kinds",
+        args.kinds,
+    ] + (["--ignore-eos"] if args.ignore_eos else [])
     for name in ("model", "shape", "precision", "profile", "threads"):
         if getattr(args, name) is not None:
             argv += [f"--{name}", str(getattr(args, name))]
@@ -175,8 +223,9 @@ def child_argv(args) -> list[str]:
 
 def rows_in_child(args, method: str) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([sys.executable, __file__, *child_argv(args), "--methods", method, "--rows-to", f.name],
-                       check=True)
+        subprocess.run(
+            [sys.executable, __file__, *child_argv(args), "--methods", method, "--rows-to", f.name], check=True
+        )
         return json.load(f)
 
 
@@ -201,16 +250,33 @@ def main(argv=None):
         # Speculative decoding is lossless: the same greedy tokens as none, or the run is wrong.
         r["same_output_as_none"] = r["outputs"] == base["outputs"] if base else None
         if base and not r["same_output_as_none"]:  # where each prompt's tokens part (None: identical)
-            r["first_difference"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                     for a, b in zip(r["outputs"], base["outputs"])]
+            r["first_difference"] = [
+                next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                for a, b in zip(r["outputs"], base["outputs"])
+            ]
     table = Table(title=f"speculative decoding, batch 1 · {rows[0]['machine']} · {rows[0]['model']}")
-    for col in ("prompts", "method", "decode tok/s", "× none", "verify steps", "accept rate", "mean accept len",
-                "lossless"):
+    for col in (
+        "prompts",
+        "method",
+        "decode tok/s",
+        "× none",
+        "verify steps",
+        "accept rate",
+        "mean accept len",
+        "lossless",
+    ):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["prompts"], r["method"], f"{r['decode_tok_s']:.1f}", f"{r['speedup_vs_none'] or 0:.2f}",
-                      str(r["drafts"]), f"{r['acceptance_rate']:.2f}", f"{r['mean_acceptance_length']:.2f}",
-                      str(r["same_output_as_none"]))
+        table.add_row(
+            r["prompts"],
+            r["method"],
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['speedup_vs_none'] or 0:.2f}",
+            str(r["drafts"]),
+            f"{r['acceptance_rate']:.2f}",
+            f"{r['mean_acceptance_length']:.2f}",
+            str(r["same_output_as_none"]),
+        )
     Console(width=150).print(table)
     if args.json_path:
         with open(args.json_path, "w") as f:

@@ -40,14 +40,24 @@ def measure(llm: LLM, condition: str, gen_len: int, repeats: int) -> list[dict]:
     busy = busy_cores_of_others(0.5)
     auto = choose_threads(None, busy).threads
     rows = []
-    for label, threads in (("1", 1), (str(psutil.cpu_count(logical=False)), psutil.cpu_count(logical=False)),
-                           (f"auto ({auto})", auto)):
+    for label, threads in (
+        ("1", 1),
+        (str(psutil.cpu_count(logical=False)), psutil.cpu_count(logical=False)),
+        (f"auto ({auto})", auto),
+    ):
         torch.set_num_threads(threads)
         decode_tok_s(llm, 4)  # settle the new team
         rates = [decode_tok_s(llm, gen_len) for _ in range(repeats)]
-        rows.append({"condition": condition, "threads": label, "decode_tok_s": round(statistics.median(rates), 1),
-                     "runs": [round(r, 1) for r in rates], "busy_cores_of_others": round(busy, 2),
-                     "loadavg_1m": round(os.getloadavg()[0], 2)})
+        rows.append(
+            {
+                "condition": condition,
+                "threads": label,
+                "decode_tok_s": round(statistics.median(rates), 1),
+                "runs": [round(r, 1) for r in rates],
+                "busy_cores_of_others": round(busy, 2),
+                "loadavg_1m": round(os.getloadavg()[0], 2),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -40,28 +40,61 @@ def census(kind: str, n_out: int, k: int, silu: bool = False, group: int = 128) 
     block_k, block_kb = K.gemv_k_pieces(rows_of_w, k, group)
     fn = K._norm_gemv_kernel
     ints = {"K": k, "N_OUT": n_out, "X_PARTS": 0}
-    signature = {name: "*bf16" for name in POINTERS} | {"w_ptr": w_type, "scales_ptr": scale_type,
-                                                        "offsets_ptr": scale_type, "eps": "fp32"}
+    signature = {name: "*bf16" for name in POINTERS} | {
+        "w_ptr": w_type,
+        "scales_ptr": scale_type,
+        "offsets_ptr": scale_type,
+        "eps": "fp32",
+    }
     signature |= {name: "i32" for name in ints}
-    constants = dict(ROWS=1, HAS_NORM=True, HAS_RES=True, SILU=silu, WKIND=wkind, GROUP=group, BLOCK_N=block_n,
-                     BLOCK_K=block_k, BLOCK_KB=block_kb, ROW_BLOCK=1, LIVE=False, PDL=True, PACKED=False, P_BLOCK=1,
-                     QOUT=False, QRES=False, QNORM=False, Q_PBLOCK=1)
+    constants = dict(
+        ROWS=1,
+        HAS_NORM=True,
+        HAS_RES=True,
+        SILU=silu,
+        WKIND=wkind,
+        GROUP=group,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_KB=block_kb,
+        ROW_BLOCK=1,
+        LIVE=False,
+        PDL=True,
+        PACKED=False,
+        P_BLOCK=1,
+        QOUT=False,
+        QRES=False,
+        QNORM=False,
+        Q_PBLOCK=1,
+    )
     signature |= {name: "constexpr" for name in constants}
     divisible = list(POINTERS) + [name for name, value in ints.items() if value % 16 == 0]
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()},
-                    attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible})
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()},
+        attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible},
+    )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
     lines = [line.split() for line in ptx.splitlines()]
     lines = [words for words in lines if words and not words[0].startswith(("//", ".", "$", "{", "}", ")"))]
     ops = [words[1] if words[0].startswith("@") else words[0] for words in lines]  # "@%p1 ld.global ...": predicated
     names = Counter(op.split(".")[0] for op in ops)
-    return {"kind": kind, "n_out": n_out, "k": k, "silu": silu, "group": group, "block_n": block_n, "warps": warps,
-            "pieces": [block_k, block_kb], "instructions": len(ops),
-            **{name: names[name] for name in ("shfl", "bar", "dp4a")},
-            "global_loads": dict(Counter(op for op in ops if op.startswith("ld.global"))),
-            "weight_elements_a_load": weight_vector(compiled.asm["ttgir"], WEIGHT_ELEMENTS[kind])}
+    return {
+        "kind": kind,
+        "n_out": n_out,
+        "k": k,
+        "silu": silu,
+        "group": group,
+        "block_n": block_n,
+        "warps": warps,
+        "pieces": [block_k, block_kb],
+        "instructions": len(ops),
+        **{name: names[name] for name in ("shfl", "bar", "dp4a")},
+        "global_loads": dict(Counter(op for op in ops if op.startswith("ld.global"))),
+        "weight_elements_a_load": weight_vector(compiled.asm["ttgir"], WEIGHT_ELEMENTS[kind]),
+    }
 
 
 def weight_vector(ttgir: str, element: str) -> list[int]:

@@ -39,11 +39,13 @@ def convert(onnx_path: Path, rknn_path: Path):
     from rknn.api import RKNN
 
     rknn = RKNN(verbose=False)
-    steps = [("config", lambda: rknn.config(target_platform="rk3588")),
-             ("load_onnx", lambda: rknn.load_onnx(model=str(onnx_path))),
-             ("build", lambda: rknn.build(do_quantization=False)),
-             ("export_rknn", lambda: rknn.export_rknn(str(rknn_path))),
-             ("init_runtime", lambda: rknn.init_runtime())]
+    steps = [
+        ("config", lambda: rknn.config(target_platform="rk3588")),
+        ("load_onnx", lambda: rknn.load_onnx(model=str(onnx_path))),
+        ("build", lambda: rknn.build(do_quantization=False)),
+        ("export_rknn", lambda: rknn.export_rknn(str(rknn_path))),
+        ("init_runtime", lambda: rknn.init_runtime()),
+    ]
     for name, call in steps:
         code = call()
         if code not in (0, None):
@@ -92,7 +94,9 @@ def main():
 
     reference = StaticModel.open(out, "onnxruntime")
     simulated = StaticModel(reference.config, reference.embed, sessions, manifest)
-    prompt = [int(t) for t in np.arange(3, 3 + manifest["chunk"] + manifest["chunk"] // 2) % reference.config.vocab_size]
+    prompt = [
+        int(t) for t in np.arange(3, 3 + manifest["chunk"] + manifest["chunk"] // 2) % reference.config.vocab_size
+    ]
     start = time.perf_counter()
     want, want_logits = greedy(reference, prompt, args.steps)
     onnx_s = time.perf_counter() - start
@@ -101,13 +105,21 @@ def main():
     sim_s = time.perf_counter() - start
     same_prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
     report = {
-        "folder": str(out), "toolkit": manifest["toolkit"], "build_s": build_s, "prompt_tokens": len(prompt),
-        "steps": args.steps, "onnxruntime_tokens": want, "simulator_tokens": got,
-        "tokens_equal": sum(a == b for a, b in zip(got, want)), "first_difference": same_prefix,
+        "folder": str(out),
+        "toolkit": manifest["toolkit"],
+        "build_s": build_s,
+        "prompt_tokens": len(prompt),
+        "steps": args.steps,
+        "onnxruntime_tokens": want,
+        "simulator_tokens": got,
+        "tokens_equal": sum(a == b for a, b in zip(got, want)),
+        "first_difference": same_prefix,
         "first_logits_nmse": nmse(got_logits[0], want_logits[0]),
-        "logits_nmse_over_equal_prefix": nmse(np.stack(got_logits[:same_prefix + 1]),
-                                              np.stack(want_logits[:same_prefix + 1])),
-        "onnxruntime_s": round(onnx_s, 2), "simulator_s": round(sim_s, 2),
+        "logits_nmse_over_equal_prefix": nmse(
+            np.stack(got_logits[: same_prefix + 1]), np.stack(want_logits[: same_prefix + 1])
+        ),
+        "onnxruntime_s": round(onnx_s, 2),
+        "simulator_s": round(sim_s, 2),
     }
     print(json.dumps(report, indent=2))
     if args.json:

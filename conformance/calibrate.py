@@ -42,9 +42,27 @@ def run_suite(backend: str, seed: int) -> list[dict]:
     suite = Path(__file__).with_name("suite.py")
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "ops.json"
-        cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--rootdir", tmp, "-c",
-               "/dev/null", "--flashnext-backend", backend, "--flashnext-seed", str(seed), "--flashnext-json",
-               str(report), "-k", " or ".join(OPS)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(suite),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            tmp,
+            "-c",
+            "/dev/null",
+            "--flashnext-backend",
+            backend,
+            "--flashnext-seed",
+            str(seed),
+            "--flashnext-json",
+            str(report),
+            "-k",
+            " or ".join(OPS),
+        ]
         subprocess.run(cmd, check=False, capture_output=True)
         return json.loads(report.read_text())["cases"]
 

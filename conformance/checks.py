@@ -38,8 +38,10 @@ def nonfinite_fault(out: torch.Tensor, ref: torch.Tensor) -> str | None:
     first = int(bad.nonzero()[0])
     idx = _index(first, out.shape)
     got, want = out.flatten()[first].item(), ref.flatten()[first].item()
-    return (f"{int(bad.sum())} of {bad.numel()} elements disagree on NaN/Inf; first at index {idx}: "
-            f"got {got:g} ({_KINDS[int(k_out.flatten()[first])]}), reference {want:g}")
+    return (
+        f"{int(bad.sum())} of {bad.numel()} elements disagree on NaN/Inf; first at index {idx}: "
+        f"got {got:g} ({_KINDS[int(k_out.flatten()[first])]}), reference {want:g}"
+    )
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> Comparison:
@@ -80,8 +82,10 @@ def _where(o: torch.Tensor, r: torch.Tensor, err: torch.Tensor, nonfinite_mismat
     parts = []
     if float(err.sum()) > 0:
         worst = int(err.flatten().argmax())
-        parts.append(f"worst at index {_index(worst, o.shape)}: got {o.flatten()[worst].item():.6g}, "
-                     f"reference {r.flatten()[worst].item():.6g}")
+        parts.append(
+            f"worst at index {_index(worst, o.shape)}: got {o.flatten()[worst].item():.6g}, "
+            f"reference {r.flatten()[worst].item():.6g}"
+        )
     if o.dim() >= 2:
         # Rows (tokens) that are grossly wrong: points at skipped, misplaced or NaN-filled rows.
         row_err = err.flatten(1).sum(1)

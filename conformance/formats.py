@@ -26,8 +26,14 @@ FP8_FORMATS = {
     f.dtype: f
     for f in (
         Fp8Format(torch.float8_e4m3fn, 448.0, 3, 2.0**-9, frozenset({0x7F, 0xFF}), frozenset()),
-        Fp8Format(torch.float8_e5m2, 57344.0, 2, 2.0**-16, frozenset({0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF}),
-                  frozenset({0x7C, 0xFC})),
+        Fp8Format(
+            torch.float8_e5m2,
+            57344.0,
+            2,
+            2.0**-16,
+            frozenset({0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF}),
+            frozenset({0x7C, 0xFC}),
+        ),
         Fp8Format(torch.float8_e4m3fnuz, 240.0, 3, 2.0**-10, frozenset({0x80}), frozenset()),
         Fp8Format(torch.float8_e5m2fnuz, 57344.0, 2, 2.0**-17, frozenset({0x80}), frozenset()),
     )

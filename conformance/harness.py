@@ -25,9 +25,20 @@ TINY_VOCAB = 384
 
 def tiny_config() -> ModelConfig:
     # K of every projection is a multiple of 128 so int4's default group size applies; GQA 4:2 like real models.
-    return ModelConfig(architecture="llama", vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=TINY_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_model(seed: int = 0) -> LoadedModel:
@@ -40,18 +51,33 @@ def tiny_model(seed: int = 0) -> LoadedModel:
 
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=1.0), "model.norm.weight": 1 + rnd(h, std=0.1),
-         "lm_head.weight": rnd(cfg.vocab_size, h, std=0.4)}
+    w = {
+        "model.embed_tokens.weight": rnd(cfg.vocab_size, h, std=1.0),
+        "model.norm.weight": 1 + rnd(h, std=0.1),
+        "lm_head.weight": rnd(cfg.vocab_size, h, std=0.4),
+    }
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
-        w |= {p + "input_layernorm.weight": 1 + rnd(h, std=0.1), p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
-              p + "self_attn.q_proj.weight": rnd(q, h, std=0.1), p + "self_attn.k_proj.weight": rnd(kv, h, std=0.1),
-              p + "self_attn.v_proj.weight": rnd(kv, h, std=0.1), p + "self_attn.o_proj.weight": rnd(h, q, std=0.1),
-              p + "mlp.gate_proj.weight": rnd(i, h, std=0.1), p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
-              p + "mlp.down_proj.weight": rnd(h, i, std=0.1)}
+        w |= {
+            p + "input_layernorm.weight": 1 + rnd(h, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + rnd(h, std=0.1),
+            p + "self_attn.q_proj.weight": rnd(q, h, std=0.1),
+            p + "self_attn.k_proj.weight": rnd(kv, h, std=0.1),
+            p + "self_attn.v_proj.weight": rnd(kv, h, std=0.1),
+            p + "self_attn.o_proj.weight": rnd(h, q, std=0.1),
+            p + "mlp.gate_proj.weight": rnd(i, h, std=0.1),
+            p + "mlp.up_proj.weight": rnd(i, h, std=0.1),
+            p + "mlp.down_proj.weight": rnd(h, i, std=0.1),
+        }
     vocab = {f"t{n}": n for n in range(cfg.vocab_size)}
-    tok = Tokenizer(HFTokenizer(models.WordLevel(vocab, unk_token="t0")), bos_token_id=None, eos_token_ids=[],
-                    add_bos=False, chat_template=None, source="conformance tiny model")
+    tok = Tokenizer(
+        HFTokenizer(models.WordLevel(vocab, unk_token="t0")),
+        bos_token_id=None,
+        eos_token_ids=[],
+        add_bos=False,
+        chat_template=None,
+        source="conformance tiny model",
+    )
     return LoadedModel(cfg, w, tok, "conformance tiny model", "tiny")
 
 
@@ -121,7 +147,7 @@ def mismatches(a: list[list[int]], b: list[list[int]]) -> tuple[int, str]:
         count += len(diff)
         if diff and not first:
             j = diff[0]
-            first = f"request {i} differs from token {j}: {x[j:j + 4]} vs {y[j:j + 4]}"
+            first = f"request {i} differs from token {j}: {x[j : j + 4]} vs {y[j : j + 4]}"
     return count, first
 
 
@@ -157,8 +183,14 @@ class LogitTape:
         return self.rows.get((seq.request_id, step))
 
 
-def divergence(fast: LogitTape, fast_seqs: list[Sequence], plain: LogitTape, plain_seqs: list[Sequence],
-               limit: float, greedy: bool = True) -> tuple[float, str | None, str]:
+def divergence(
+    fast: LogitTape,
+    fast_seqs: list[Sequence],
+    plain: LogitTape,
+    plain_seqs: list[Sequence],
+    limit: float,
+    greedy: bool = True,
+) -> tuple[float, str | None, str]:
     """(largest logits NMSE between the runs before their tokens part, a fault or None, where). Each request is
     compared step by step until its tokens differ; a difference is a fault when both runs' logits are finite and
     close but the token still changed: identical logits, or (greedy) a top-2 margin wider than twice the largest
@@ -169,8 +201,14 @@ def divergence(fast: LogitTape, fast_seqs: list[Sequence], plain: LogitTape, pla
             la, lb = fast.get(a, j), plain.get(b, j)
             for run, logits in (("", la), ("plain ", lb)):
                 if logits is not None and not bool(torch.isfinite(logits).all()):
-                    return math.nan, (f"the {run}run's logits hold NaN/Inf at request {i} step {j}: the backend emits "
-                                      "non-finite logits"), ""
+                    return (
+                        math.nan,
+                        (
+                            f"the {run}run's logits hold NaN/Inf at request {i} step {j}: the backend emits "
+                            "non-finite logits"
+                        ),
+                        "",
+                    )
             if la is not None and lb is not None:
                 err = float(((la.double() - lb.double()) ** 2).sum() / (lb.double() ** 2).sum().clamp_min(1e-300))
                 if err > worst:
@@ -180,15 +218,25 @@ def divergence(fast: LogitTape, fast_seqs: list[Sequence], plain: LogitTape, pla
             if ta == tb:
                 continue
             if la is None or lb is None:
-                return worst, f"request {i} step {j}: token {ta} vs {tb}, and no logits were recorded to tell a " \
-                              "near tie from a fault", where
+                return (
+                    worst,
+                    f"request {i} step {j}: token {ta} vs {tb}, and no logits were recorded to tell a "
+                    "near tie from a fault",
+                    where,
+                )
             diff = float((la - lb).abs().max())
             top2 = lb.topk(2).values
             margin = float(top2[0] - top2[1])
             if diff == 0 or (greedy and margin > 2 * diff):
-                return worst, (f"request {i} step {j}: token {ta} vs {tb} although the logits differ by at most "
-                               f"{diff:.3g} and the plain run's top-2 margin is {margin:.3g}: the token is not the one "
-                               "its logits pick"), where
+                return (
+                    worst,
+                    (
+                        f"request {i} step {j}: token {ta} vs {tb} although the logits differ by at most "
+                        f"{diff:.3g} and the plain run's top-2 margin is {margin:.3g}: the token is not the one "
+                        "its logits pick"
+                    ),
+                    where,
+                )
             break  # a near tie that rounding decided: later steps follow different prefixes
     return worst, None, where
 

@@ -46,12 +46,25 @@ class CaseResult:
 
 def pytest_addoption(parser):
     group = parser.getgroup("flashnext", "flashnext conformance")
-    group.addoption("--flashnext-backend", default=None, metavar="NAME",
-                    help="Backend the conformance suite checks (default: FLASHNEXT_BACKEND, else auto).")
-    group.addoption("--flashnext-json", default=None, metavar="PATH",
-                    help="Write the conformance report (one entry per case) as JSON.")
-    group.addoption("--flashnext-seed", default=0, type=int, metavar="N",
-                    help="Seed of the random inputs (reported, so a failure can be replayed).")
+    group.addoption(
+        "--flashnext-backend",
+        default=None,
+        metavar="NAME",
+        help="Backend the conformance suite checks (default: FLASHNEXT_BACKEND, else auto).",
+    )
+    group.addoption(
+        "--flashnext-json",
+        default=None,
+        metavar="PATH",
+        help="Write the conformance report (one entry per case) as JSON.",
+    )
+    group.addoption(
+        "--flashnext-seed",
+        default=0,
+        type=int,
+        metavar="N",
+        help="Seed of the random inputs (reported, so a failure can be replayed).",
+    )
 
 
 def pytest_configure(config):
@@ -86,8 +99,16 @@ class Recorder:
         base = self.item.name.removeprefix("test_")
         return f"{base}::{label}" if label else base
 
-    def check(self, key: str, precision: str, value: float, label: str = "", detail: str = "",
-              fault: str | None = None, bound_as: str | None = None) -> bool:
+    def check(
+        self,
+        key: str,
+        precision: str,
+        value: float,
+        label: str = "",
+        detail: str = "",
+        fault: str | None = None,
+        bound_as: str | None = None,
+    ) -> bool:
         """Compare `value` with THRESHOLDS[key] for `precision` (or for `bound_as`: the dtype an op without weights
         computes in); a `fault` fails the case whatever the value."""
         b = THRESHOLDS[key]
@@ -99,16 +120,31 @@ class Recorder:
             message = fault or f"{b.metric} {value:.3g} {sign} {limit:g}"
             message = f"{self._name(label)} [{self.backend_name}, {precision}]: {key} {message}"
             message += f"; {detail}" if detail else ""
-        self.cases.append(CaseResult(self._name(label), self.backend_name, precision, b.metric, limit, float(value),
-                                     passed, message, nodeid=self.item.nodeid, bound_as=bound_as or precision))
+        self.cases.append(
+            CaseResult(
+                self._name(label),
+                self.backend_name,
+                precision,
+                b.metric,
+                limit,
+                float(value),
+                passed,
+                message,
+                nodeid=self.item.nodeid,
+                bound_as=bound_as or precision,
+            )
+        )
         return passed
 
     def expect(self, ok: bool, precision: str, label: str, message: str) -> bool:
         """A yes/no case (metric 'holds', threshold 1): e.g. an undeclared precision must be refused."""
         name = self._name(label)
         text = "" if ok else f"{name} [{self.backend_name}, {precision}]: {message}"
-        self.cases.append(CaseResult(name, self.backend_name, precision, "holds", 1.0, 1.0 if ok else 0.0, ok, text,
-                                     nodeid=self.item.nodeid))
+        self.cases.append(
+            CaseResult(
+                name, self.backend_name, precision, "holds", 1.0, 1.0 if ok else 0.0, ok, text, nodeid=self.item.nodeid
+            )
+        )
         return ok
 
 
@@ -151,9 +187,20 @@ def _cases_of(item, report, call, cases: list[CaseResult]) -> list[CaseResult]:
     elif report.failed:
         message = f"{item.name.removeprefix('test_')}: {_error_line(call, report)}"
     passed = None if report.skipped else report.passed
-    return cases + [CaseResult(item.name.removeprefix("test_"), getattr(backend, "name", "?"), precision or "",
-                               "error" if report.failed else "ran", None, None, passed, message,
-                               report.outcome, item.nodeid)]
+    return cases + [
+        CaseResult(
+            item.name.removeprefix("test_"),
+            getattr(backend, "name", "?"),
+            precision or "",
+            "error" if report.failed else "ran",
+            None,
+            None,
+            passed,
+            message,
+            report.outcome,
+            item.nodeid,
+        )
+    ]
 
 
 def _error_line(call, report) -> str:
@@ -169,9 +216,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     path = config.getoption("--flashnext-json")
     if path:
-        doc = {"backend": results[0].backend, "seed": config.getoption("--flashnext-seed"),
-               "passed": sum(r.passed is True for r in results), "failed": sum(r.passed is False for r in results),
-               "skipped": sum(r.passed is None for r in results), "cases": [r.as_json() for r in results]}
+        doc = {
+            "backend": results[0].backend,
+            "seed": config.getoption("--flashnext-seed"),
+            "passed": sum(r.passed is True for r in results),
+            "failed": sum(r.passed is False for r in results),
+            "skipped": sum(r.passed is None for r in results),
+            "cases": [r.as_json() for r in results],
+        }
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
     _print_table(results)
@@ -198,5 +250,7 @@ def _print_table(results: list[CaseResult]) -> None:
     failed = [r for r in results if r.passed is False]
     for r in failed:
         console.print(f"[red]FAIL[/] {escape(r.message)}", highlight=False)
-    console.print(f"{sum(r.passed is True for r in results)} cases passed, {len(failed)} failed, "
-                  f"{sum(r.passed is None for r in results)} skipped")
+    console.print(
+        f"{sum(r.passed is True for r in results)} cases passed, {len(failed)} failed, "
+        f"{sum(r.passed is None for r in results)} skipped"
+    )

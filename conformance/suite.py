@@ -13,17 +13,28 @@ import torch.nn.functional as F
 
 from flashnext.conformance import harness
 from flashnext.conformance.checks import compare
-from flashnext.conformance.formats import FP8_FORMATS
 from flashnext.conformance.data import GREEDY_PROMPTS, SHAKESPEARE
+from flashnext.conformance.formats import FP8_FORMATS
 from flashnext.conformance.pytest_plugin import Recorder, backend_under_test
 from flashnext.conformance.thresholds import THRESHOLDS
 from flashnext.core.backend import declares
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels, SamplingTensors
-from flashnext.core.precision import (FP8_DTYPES, FP8_MAX, PRECISIONS, Fp8Weight, Int4Weight, fp8_quantize,
-                                      fp8_quantize_per_token, int4_from_gguf, int4_quantize, pack_int4, unpack_int4,
-                                      validate_weight)
+from flashnext.core.precision import (
+    FP8_DTYPES,
+    FP8_MAX,
+    PRECISIONS,
+    Fp8Weight,
+    Int4Weight,
+    fp8_quantize,
+    fp8_quantize_per_token,
+    int4_from_gguf,
+    int4_quantize,
+    pack_int4,
+    unpack_int4,
+    validate_weight,
+)
 
 REF = ReferenceKernels()
 QUANTIZED = ("fp8-e4m3", "fp8-e5m2", "int4")
@@ -173,7 +184,9 @@ def rope_table(head_dim: int, max_pos: int = 4096, theta: float = 10000.0) -> to
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (13, 4, 2, 64), (40, 9, 3, 128), (7, 8, 8, 32)])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (13, 4, 2, 64), (40, 9, 3, 128), (7, 8, 8, 32)]
+)
 def test_rope(backend, conformance, precision, seed, tokens, heads, kv_heads, head_dim):
     s = Setup(backend, precision, seed, f"rope{tokens}{heads}{kv_heads}{head_dim}")
     q, k = s.randn(tokens, heads, head_dim), s.randn(tokens, kv_heads, head_dim)
@@ -203,8 +216,15 @@ def test_store_kv(backend, conformance, precision, seed):
         s.kernels.store_kv(s.on_device(k), s.on_device(v), dev_k, dev_v, s.on_device(slots))
         for name, got, want in (("k", dev_k, ref_k), ("v", dev_v, ref_v)):
             c = compare(got.double(), want)
-            conformance.check("store_kv", precision, c.nmse, label=f"{name} cache {str(dtype).removeprefix('torch.')}",
-                              detail=_slot_report(got, slots), fault=c.fault, bound_as=s.bound)
+            conformance.check(
+                "store_kv",
+                precision,
+                c.nmse,
+                label=f"{name} cache {str(dtype).removeprefix('torch.')}",
+                detail=_slot_report(got, slots),
+                fault=c.fault,
+                bound_as=s.bound,
+            )
 
 
 def _slot_report(cache: torch.Tensor, slots: torch.Tensor) -> str:
@@ -256,17 +276,27 @@ def paged_inputs(s: Setup, query_lens, context_lens, kv_heads, head_dim, bs, dty
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start=torch.tensor(starts, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32), block_tables=tables,
-        max_query_len=max(query_lens), max_context_len=max(context_lens),
-        query_lens_host=tuple(query_lens), context_lens_host=tuple(context_lens))
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        query_lens_host=tuple(query_lens),
+        context_lens_host=tuple(context_lens),
+    )
     return k_cache, v_cache, meta
 
 
 def meta_to(meta: AttentionMetadata, device) -> AttentionMetadata:
     moved = {f: getattr(meta, f).to(device) for f in ("slot_mapping", "query_start", "context_lens", "block_tables")}
-    return AttentionMetadata(**moved, max_query_len=meta.max_query_len, max_context_len=meta.max_context_len,
-                             query_lens_host=meta.query_lens_host, context_lens_host=meta.context_lens_host)
+    return AttentionMetadata(
+        **moved,
+        max_query_len=meta.max_query_len,
+        max_context_len=meta.max_context_len,
+        query_lens_host=meta.query_lens_host,
+        context_lens_host=meta.context_lens_host,
+    )
 
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
@@ -284,10 +314,19 @@ def test_attention(backend, conformance, precision, seed, case):
             q[4] = q[4] * 30  # scores in the hundreds: softmax without its max subtracted overflows
         scale = head_dim**-0.5
         s.poison(q.shape)
-        out = s.kernels.attention(s.on_device(q), s.on_device(k_cache), s.on_device(v_cache), meta_to(meta, s.device), scale)
+        out = s.kernels.attention(
+            s.on_device(q), s.on_device(k_cache), s.on_device(v_cache), meta_to(meta, s.device), scale
+        )
         ref = REF.attention(q.double(), k_cache.double(), v_cache.double(), meta, scale)
-        record(conformance, "attention", precision, out, ref, f"cache {str(dtype).removeprefix('torch.')}",
-               bound_as=s.bound)
+        record(
+            conformance,
+            "attention",
+            precision,
+            out,
+            ref,
+            f"cache {str(dtype).removeprefix('torch.')}",
+            bound_as=s.bound,
+        )
 
 
 LINEAR_SHAPES = [(1, 128, 96, False), (7, 256, 320, True), (33, 128, 200, False)]
@@ -296,8 +335,10 @@ LINEAR_SHAPES = [(1, 128, 96, False), (7, 256, 320, True), (33, 128, 200, False)
 def linear_weights(precision: str, w: torch.Tensor) -> dict[str, object]:
     """The stored forms of one weight that `precision` covers: every FP8 scale layout, several INT4 groupings."""
     if precision in FP8_MAX:
-        return {"per-channel": fp8_quantize(w, precision, per_channel=True),
-                "per-tensor": fp8_quantize(w, precision, per_channel=False)}
+        return {
+            "per-channel": fp8_quantize(w, precision, per_channel=True),
+            "per-tensor": fp8_quantize(w, precision, per_channel=False),
+        }
     if precision == "int4":
         return {"g32-sym": int4_quantize(w, 32, symmetric=True), "g128-asym": int4_quantize(w, 128, symmetric=False)}
     return {"dense": PRECISIONS[precision].quantize(w)}
@@ -354,7 +395,9 @@ def sampling(rows: int, device, temperature=0.0, top_k=0, top_p=1.0, seeds=None)
         temperature=torch.full((rows,), temperature, dtype=torch.float32, device=device),
         top_k=torch.full((rows,), top_k, dtype=torch.int64, device=device),
         top_p=torch.full((rows,), top_p, dtype=torch.float32, device=device),
-        noise_seed=seeds.to(device), all_greedy=temperature == 0)
+        noise_seed=seeds.to(device),
+        all_greedy=temperature == 0,
+    )
 
 
 def test_sample(backend, conformance, seed):
@@ -379,11 +422,17 @@ def test_sample(backend, conformance, seed):
     conformance.check("sample_tv", p, tv, "temperature 0.7")
 
     again = kernels.sample(small.repeat(rows, 1).to(dev), sampling(rows, dev, temperature=0.7)).cpu()
-    conformance.expect(bool((again == drawn).all()), p, "same seeds same tokens", "sampling is not a function of the seeds")
+    conformance.expect(
+        bool((again == drawn).all()), p, "same seeds same tokens", "sampling is not a function of the seeds"
+    )
     last_seeds = sampling(rows, "cpu").noise_seed[-100:]
     part = kernels.sample(small.repeat(100, 1).to(dev), sampling(100, dev, temperature=0.7, seeds=last_seeds)).cpu()
-    conformance.expect(bool((part == drawn[-100:]).all()), p, "batch independent",
-                       "a row's sample changes with the other rows in the batch")
+    conformance.expect(
+        bool((part == drawn[-100:]).all()),
+        p,
+        "batch independent",
+        "a row's sample changes with the other rows in the batch",
+    )
 
     top = kernels.sample(logits.to(dev), sampling(64, dev, temperature=1.5, top_k=3)).cpu()
     outside = int((~(logits.topk(3, dim=-1).indices == top.unsqueeze(1)).any(-1)).sum())
@@ -420,9 +469,16 @@ def _edge_weight_rows(fmt, g) -> dict[str, torch.Tensor]:
     subnormal[7] = 1.0  # one element sets the scale; the rest land among the format's subnormals
     outlier = randn(0.01)
     outlier[100] = 100.0
-    return {"normal": randn(0.05), "out of range": randn(fmt.max * 1e3), "±max": signs * fmt.max,
-            "NaN bait": signs * fmt.max * (1 + 2.0 ** -(fmt.mantissa_bits + 1)), "subnormals": subnormal,
-            "one outlier": outlier, "all zero": torch.zeros(n), "1e-30 tiny": randn(1e-30)}
+    return {
+        "normal": randn(0.05),
+        "out of range": randn(fmt.max * 1e3),
+        "±max": signs * fmt.max,
+        "NaN bait": signs * fmt.max * (1 + 2.0 ** -(fmt.mantissa_bits + 1)),
+        "subnormals": subnormal,
+        "one outlier": outlier,
+        "all zero": torch.zeros(n),
+        "1e-30 tiny": randn(1e-30),
+    }
 
 
 def _half_steps(w: torch.Tensor, q, fmt) -> torch.Tensor:
@@ -439,27 +495,42 @@ def test_fp8_weights_through_backend(backend, conformance, fp8, seed):
     """The backend's quantizer on out-of-range, ±max, NaN-bait, subnormal and all-zero rows: finite bytes only,
     finite non-zero scales, every element within half a step of the format's grid."""
     precision, fmt = _backend_fp8(backend, fp8)
-    if not conformance.expect(fmt is not None, fp8, "known format",
-                              f"stores {fp8} as {precision.storage_dtype}, a dtype formats.py does not describe"):
+    if not conformance.expect(
+        fmt is not None,
+        fp8,
+        "known format",
+        f"stores {fp8} as {precision.storage_dtype}, a dtype formats.py does not describe",
+    ):
         return
     rows = _edge_weight_rows(fmt, torch.Generator().manual_seed(seed))
     w = torch.stack(list(rows.values()))
     q = precision.quantize(w.to(backend.device()))
-    if not conformance.expect(isinstance(q, Fp8Weight) and q.data.dtype == fmt.dtype, fp8, "stored as fp8",
-                              f"quantize returned {type(q).__name__} {getattr(q, 'dtype', '')}, not {fmt.dtype}"):
+    if not conformance.expect(
+        isinstance(q, Fp8Weight) and q.data.dtype == fmt.dtype,
+        fp8,
+        "stored as fp8",
+        f"quantize returned {type(q).__name__} {getattr(q, 'dtype', '')}, not {fmt.dtype}",
+    ):
         return
-    bad_bytes = torch.isin(q.data.cpu().view(torch.uint8), torch.tensor(sorted(fmt.non_finite_bytes()), dtype=torch.uint8))
+    bad_bytes = torch.isin(
+        q.data.cpu().view(torch.uint8), torch.tensor(sorted(fmt.non_finite_bytes()), dtype=torch.uint8)
+    )
     scale = q.scale.float().cpu()
     steps = _half_steps(w, q, fmt)
     for i, label in enumerate(rows):
         row_scale = scale[i if scale.shape[0] > 1 else 0]
         nonfinite = int(bad_bytes[i].sum())
         worst = float(steps[i].nan_to_num(nan=math.inf).amax())
-        problem = (f"{nonfinite} of 256 bytes are NaN/inf in {fmt.dtype}" if nonfinite else
-                   f"scale {float(row_scale):g} is not finite and positive" if not (
-                       torch.isfinite(row_scale).all() and (row_scale > 0).all()) else
-                   f"an element is {worst:.3g} half-steps from its value (round to nearest: <= 1); "
-                   "no saturation or a flushed subnormal" if worst > 1.001 else None)
+        problem = (
+            f"{nonfinite} of 256 bytes are NaN/inf in {fmt.dtype}"
+            if nonfinite
+            else f"scale {float(row_scale):g} is not finite and positive"
+            if not (torch.isfinite(row_scale).all() and (row_scale > 0).all())
+            else f"an element is {worst:.3g} half-steps from its value (round to nearest: <= 1); "
+            "no saturation or a flushed subnormal"
+            if worst > 1.001
+            else None
+        )
         conformance.expect(problem is None, fp8, f"{label} row", f"the backend's {fp8} quantizer: {problem}")
 
 
@@ -477,9 +548,15 @@ def test_fp8_linear_edges(backend, conformance, fp8, seed):
     far[5] = min(1e5, torch.finfo(s.dtype).max * 0.9)
     nan_row = torch.randn(k, generator=s.gen)
     nan_row[9] = float("nan")
-    rows = {"normal": torch.randn(k, generator=s.gen), "all zero": torch.zeros(k),
-            "tiny": torch.randn(k, generator=s.gen) * 1e-6, "±max": signs * fmt.max, "past max": signs * top,
-            "far past max": far, "NaN": nan_row}
+    rows = {
+        "normal": torch.randn(k, generator=s.gen),
+        "all zero": torch.zeros(k),
+        "tiny": torch.randn(k, generator=s.gen) * 1e-6,
+        "±max": signs * fmt.max,
+        "past max": signs * top,
+        "far past max": far,
+        "NaN": nan_row,
+    }
     x = torch.stack(list(rows.values())).to(s.dtype)
     w = precision.quantize(torch.randn(64, k, generator=s.gen) * 0.05)
     s.poison((len(rows), 64))
@@ -498,19 +575,31 @@ def test_fp8_linear_edges(backend, conformance, fp8, seed):
 def test_fp8_format(backend, conformance, fmt):
     fmax, dtype = FP8_MAX[fmt], FP8_DTYPES[fmt]
     exact = torch.tensor([0.5, -1.0, 1.75, 3.0, -fmax, fmax, 2.0**-6])
-    conformance.expect(bool((exact.to(dtype).float() == exact).all()), fmt, "round trip",
-                       f"representable values do not survive a {fmt} round trip")
+    conformance.expect(
+        bool((exact.to(dtype).float() == exact).all()),
+        fmt,
+        "round trip",
+        f"representable values do not survive a {fmt} round trip",
+    )
     tiny = 2.0**-9 if fmt == "fp8-e4m3" else 2.0**-16  # the smallest subnormal
-    conformance.expect(float(torch.tensor([tiny]).to(dtype).float()) == tiny, fmt, "subnormal",
-                       f"the smallest {fmt} subnormal {tiny:g} is flushed")
+    conformance.expect(
+        float(torch.tensor([tiny]).to(dtype).float()) == tiny,
+        fmt,
+        "subnormal",
+        f"the smallest {fmt} subnormal {tiny:g} is flushed",
+    )
 
     w = torch.randn(16, 64) * 1e3
     w[2, 5] = 5e30  # finite, far beyond the range
     q = fp8_quantize(w, fmt, per_channel=True)
     data = q.data.float()
     conformance.expect(bool(torch.isfinite(data).all()), fmt, "finite from finite", "finite input produced inf/NaN")
-    conformance.expect(float(data.abs().amax(1).min()) == fmax, fmt, "saturation at ±max",
-                       f"each row's amax must land on ±{fmax:g}, got {data.abs().amax(1).tolist()[:4]}")
+    conformance.expect(
+        float(data.abs().amax(1).min()) == fmax,
+        fmt,
+        "saturation at ±max",
+        f"each row's amax must land on ±{fmax:g}, got {data.abs().amax(1).tolist()[:4]}",
+    )
     amax = w.abs().amax(1, keepdim=True)
     conformance.expect(torch.allclose(q.scale, amax / fmax, rtol=1e-6), fmt, "scale from amax", "scale != amax / max")
     back = q.dequantize()
@@ -521,24 +610,33 @@ def test_fp8_format(backend, conformance, fmt):
     x = torch.tensor([[1.0, float("nan"), -2.0, float("inf"), 3e38]])
     data, scale = fp8_quantize_per_token(x, fmt)
     vals = (data.float() * scale)[0]
-    conformance.expect(bool(torch.isnan(vals[1])) and bool(torch.isfinite(vals[[0, 2, 4]]).all()), fmt,
-                       "NaN propagates alone", f"expected NaN only at index 1, got {vals.tolist()}")
+    conformance.expect(
+        bool(torch.isnan(vals[1])) and bool(torch.isfinite(vals[[0, 2, 4]]).all()),
+        fmt,
+        "NaN propagates alone",
+        f"expected NaN only at index 1, got {vals.tolist()}",
+    )
     conformance.expect(float(vals[3]) > 0, fmt, "inf saturates", f"+inf must saturate to +max, got {float(vals[3])}")
 
 
 def test_weight_validator(backend, conformance):
     good = fp8_quantize(torch.randn(8, 32), "fp8-e4m3")
     cases = {
-        "NaN in fp8 data": Fp8Weight(good.data.clone().view(torch.uint8).index_fill_(1, torch.tensor([3]), 0x7F)
-                                     .view(torch.float8_e4m3fn), good.scale),
+        "NaN in fp8 data": Fp8Weight(
+            good.data.clone().view(torch.uint8).index_fill_(1, torch.tensor([3]), 0x7F).view(torch.float8_e4m3fn),
+            good.scale,
+        ),
         "zero fp8 scale": Fp8Weight(good.data, torch.zeros_like(good.scale)),
         "inf fp8 scale": Fp8Weight(good.data, torch.full_like(good.scale, float("inf"))),
         "inf dense": torch.tensor([[1.0, float("inf")]]),
-        "NaN int4 scale": Int4Weight(good.data.view(torch.uint8)[:, :16].clone(), torch.full((8, 1), float("nan")),
-                                     torch.zeros(8, 1), 32),
+        "NaN int4 scale": Int4Weight(
+            good.data.view(torch.uint8)[:, :16].clone(), torch.full((8, 1), float("nan")), torch.zeros(8, 1), 32
+        ),
         "dense beyond e4m3 for an unscaled cast": torch.tensor([[500.0, 1.0]]),
     }
-    conformance.expect(_validates(good, "fp8-e4m3"), "fp8-e4m3", "valid weight accepted", "a valid FP8 weight was refused")
+    conformance.expect(
+        _validates(good, "fp8-e4m3"), "fp8-e4m3", "valid weight accepted", "a valid FP8 weight was refused"
+    )
     for label, w in cases.items():
         fmt = "fp8-e4m3" if "e4m3" in label else None
         precision = "int4" if "int4" in label else "fp8-e4m3" if "fp8" in label or fmt else "fp32"
@@ -565,8 +663,12 @@ def test_int4_format(backend, conformance, seed):
             err = (qw.dequantize() - w).abs().view(48, -1, group)
             half_step = qw.scales.unsqueeze(-1) / 2 * (1 + 1e-5)
             worst = float((err / half_step).amax())
-            conformance.expect(worst <= 1.0, "int4", f"g{group}-{'sym' if symmetric else 'asym'} error bound",
-                               f"error reaches {worst:.3g} half-steps (bound: 1)")
+            conformance.expect(
+                worst <= 1.0,
+                "int4",
+                f"g{group}-{'sym' if symmetric else 'asym'} error bound",
+                f"error reaches {worst:.3g} half-steps (bound: 1)",
+            )
 
 
 def test_quantized_on_the_device(backend, conformance, seed):
@@ -577,10 +679,18 @@ def test_quantized_on_the_device(backend, conformance, seed):
     w[0, :3] = torch.tensor([1e-30, 3e4, -7.0])
     for precision in [p for p in ("int4", "fp8-e4m3", "fp8-e5m2") if p in backend.precisions]:
         here, there = PRECISIONS[precision].quantize(w), PRECISIONS[precision].quantize(w.to(backend.device()))
-        differ = [f for f in ("packed", "scales", "offsets", "data", "scale") if hasattr(here, f) and not torch.equal(
-            getattr(here, f).view(torch.uint8), getattr(there, f).cpu().view(torch.uint8))]
-        conformance.expect(not differ, precision, "same as the CPU",
-                           f"{', '.join(differ)} differ from the CPU's quantization of the same weight")
+        differ = [
+            f
+            for f in ("packed", "scales", "offsets", "data", "scale")
+            if hasattr(here, f)
+            and not torch.equal(getattr(here, f).view(torch.uint8), getattr(there, f).cpu().view(torch.uint8))
+        ]
+        conformance.expect(
+            not differ,
+            precision,
+            "same as the CPU",
+            f"{', '.join(differ)} differ from the CPU's quantization of the same weight",
+        )
 
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
@@ -595,7 +705,9 @@ def test_gguf_q4(backend, conformance, seed, ggml_type):
     want = torch.from_numpy(np.asarray(quants.dequantize(raw, qtype), dtype=np.float32))
     got = int4_from_gguf(raw, ggml_type, (6, 96)).dequantize()
     diff = float((got - want).abs().max())
-    conformance.expect(diff == 0.0, "int4", f"{ggml_type} decode", f"decoded values differ from gguf's by up to {diff:g}")
+    conformance.expect(
+        diff == 0.0, "int4", f"{ggml_type} decode", f"decoded values differ from gguf's by up to {diff:g}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -629,8 +741,12 @@ def _nmse(a, b) -> float:
 def test_engine_precision(backend, conformance, precision, tiny, reference_logits):
     """Declared precisions must run, store weights in that format, and produce logits of that precision."""
     engine = harness.make_engine(backend, tiny, precision, **harness.plain_profile())
-    conformance.expect(engine.precision.name == precision, precision, "engine precision",
-                       f"asked for {precision}, the engine runs {engine.precision.name}")
+    conformance.expect(
+        engine.precision.name == precision,
+        precision,
+        "engine precision",
+        f"asked for {precision}, the engine runs {engine.precision.name}",
+    )
     stored = _stored_weight_problem(engine.model, precision)
     conformance.expect(stored is None, precision, "weights stored and valid", stored or "")
     logits = torch.cat([harness.prompt_logits(engine, p) for p in harness.tiny_prompts(2, 1)])
@@ -640,19 +756,36 @@ def test_engine_precision(backend, conformance, precision, tiny, reference_logit
         c.where = "; ".join(filter(None, [c.where, first_divergent_op(backend, tiny, precision)]))
     conformance.check("engine_logits", precision, c.nmse, "vs reference", detail=c.where, fault=c.fault)
     # Non-finite logits make every distance below meaningless: name that, not a precision the backend lacks.
-    nonfinite = None if bool(torch.isfinite(logits).all()) else "the logits hold NaN/Inf (see engine_logits::vs reference)"
+    nonfinite = (
+        None if bool(torch.isfinite(logits).all()) else "the logits hold NaN/Inf (see engine_logits::vs reference)"
+    )
     if precision in QUANTIZED:
         own, expected = _nmse(logits, fp32), _nmse(want, fp32)
-        conformance.check("quantized_path_used", precision, own / expected, "vs fp32 model", fault=nonfinite,
-                          detail="" if nonfinite else
-                          f"the logits are {own:.2g} from the fp32 model's while {precision} weights put them "
-                          f"{expected:.2g} away: the backend computes with full-precision weights, not {precision}")
+        conformance.check(
+            "quantized_path_used",
+            precision,
+            own / expected,
+            "vs fp32 model",
+            fault=nonfinite,
+            detail=""
+            if nonfinite
+            else f"the logits are {own:.2g} from the fp32 model's while {precision} weights put them "
+            f"{expected:.2g} away: the backend computes with full-precision weights, not {precision}",
+        )
     conformance.check("logits_vs_fp32", precision, _nmse(logits, fp32), "end to end", fault=nonfinite)
 
 
 # Which arguments of each op are activations (cast to the backend's dtype when a reference call is replayed).
-_ACTIVATION_ARGS = {"embedding": (1,), "rmsnorm": (0, 1), "add_rmsnorm": (0, 1, 2), "rope": (0, 1),
-                    "store_kv": (0, 1, 2, 3), "attention": (0, 1, 2), "linear": (0, 1, 2), "silu_and_mul": (0,)}
+_ACTIVATION_ARGS = {
+    "embedding": (1,),
+    "rmsnorm": (0, 1),
+    "add_rmsnorm": (0, 1, 2),
+    "rope": (0, 1),
+    "store_kv": (0, 1, 2, 3),
+    "attention": (0, 1, 2),
+    "linear": (0, 1, 2),
+    "silu_and_mul": (0,),
+}
 
 
 def first_divergent_op(backend, tiny, precision: str) -> str:
@@ -662,30 +795,46 @@ def first_divergent_op(backend, tiny, precision: str) -> str:
     tape = harness.KernelTape(ref_engine.model.kernels)
     ref_engine.model.kernels = tape
     harness.prompt_logits(ref_engine, harness.tiny_prompts(1, 1)[0])
-    p = backend.check_request(precision, backend.profiles()[backend.default_profile].overridden(**harness.plain_profile()))
+    p = backend.check_request(
+        precision, backend.profiles()[backend.default_profile].overridden(**harness.plain_profile())
+    )
     kernels, dtype, device = backend.kernels(p), backend.activation_dtype(p), backend.device()
     bound = DTYPE_BOUND.get(dtype, precision)
     layer = 0
     for i, (op, args) in enumerate(tape.calls):
-        mine = [a.to(dtype) if j in _ACTIVATION_ARGS[op] and isinstance(a, torch.Tensor) and a.is_floating_point()
-                else a for j, a in enumerate(args)]
-        moved = [meta_to(a, device) if isinstance(a, AttentionMetadata) else a.to(device) if hasattr(a, "to") else a
-                 for a in mine]
+        mine = [
+            a.to(dtype) if j in _ACTIVATION_ARGS[op] and isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for j, a in enumerate(args)
+        ]
+        moved = [
+            meta_to(a, device) if isinstance(a, AttentionMetadata) else a.to(device) if hasattr(a, "to") else a
+            for a in mine
+        ]
         got = getattr(kernels, op)(*moved)
         if op == "store_kv":  # its result is the caches it wrote
             want, got = _stored(mine), (moved[2], moved[3])
         else:
-            want = getattr(REF, op)(*[a.double() if j in _ACTIVATION_ARGS[op] and isinstance(a, torch.Tensor) and
-                                      a.is_floating_point() else a for j, a in enumerate(mine)])
+            want = getattr(REF, op)(
+                *[
+                    a.double()
+                    if j in _ACTIVATION_ARGS[op] and isinstance(a, torch.Tensor) and a.is_floating_point()
+                    else a
+                    for j, a in enumerate(mine)
+                ]
+            )
         for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
             c = compare(g, w)
             limit = THRESHOLDS[op].limit(precision if op == "linear" else bound)
             if c.fault or c.nmse > limit:
-                return (f"replaying the reference's ops, the first to leave its bound is call {i} ({op}, layer {layer}): "
-                        f"{c.fault or f'nmse {c.nmse:.3g} > {limit:g}'}")
+                return (
+                    f"replaying the reference's ops, the first to leave its bound is call {i} ({op}, layer {layer}): "
+                    f"{c.fault or f'nmse {c.nmse:.3g} > {limit:g}'}"
+                )
         layer += op == "attention"
-    return ("every op, replayed alone on the reference's inputs, is within its bound: the fault is in how they are "
-            "composed or stored (the backend's weight storage, its model runner, or the engine)")
+    return (
+        "every op, replayed alone on the reference's inputs, is within its bound: the fault is in how they are "
+        "composed or stored (the backend's weight storage, its model runner, or the engine)"
+    )
 
 
 def _stored(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -706,8 +855,11 @@ def _stored_weight_problem(model, precision: str) -> str | None:
             if isinstance(w, torch.Tensor) and w.dtype != PRECISIONS[precision].storage_dtype:
                 return f"{where} is stored as {w.dtype}, not {PRECISIONS[precision].storage_dtype}"
             try:
-                validate_weight(where, w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(),
-                                precision if precision in FP8_MAX else None)
+                validate_weight(
+                    where,
+                    w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(),
+                    precision if precision in FP8_MAX else None,
+                )
             except UserError as exc:
                 return str(exc)
     return None
@@ -717,10 +869,13 @@ def test_undeclared_precision_refused(backend, conformance, undeclared, tiny):
     try:
         harness.make_engine(backend, tiny, undeclared)
     except UserError as exc:
-        conformance.expect(undeclared in str(exc), undeclared, "clear error",
-                           f"the refusal does not name the precision: {exc}")
+        conformance.expect(
+            undeclared in str(exc), undeclared, "clear error", f"the refusal does not name the precision: {exc}"
+        )
         return
-    conformance.expect(False, undeclared, "refused", f"precision {undeclared} is not declared but the engine accepted it")
+    conformance.expect(
+        False, undeclared, "refused", f"precision {undeclared} is not declared but the engine accepted it"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -730,7 +885,9 @@ def invariant_precision(backend) -> str:
 
 
 def _greedy(engine, prompts, max_tokens=12):
-    return harness.outputs(harness.run_requests(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    return harness.outputs(
+        harness.run_requests(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    )
 
 
 def _taped(engine, prompts, params: SamplingParams | None = None):
@@ -777,8 +934,9 @@ def test_feature(backend, conformance, invariant_precision, tiny, feature):
         try:
             harness.make_engine(backend, tiny, p, **settings)
         except UserError as exc:
-            conformance.expect(FEATURE_WORD[feature] in str(exc), p, "refused clearly",
-                               f"the refusal does not name {feature}: {exc}")
+            conformance.expect(
+                FEATURE_WORD[feature] in str(exc), p, "refused clearly", f"the refusal does not name {feature}: {exc}"
+            )
             return
         conformance.expect(False, p, "refused", f"{feature} is not declared but the engine accepted it")
         return
@@ -789,9 +947,11 @@ def test_feature(backend, conformance, invariant_precision, tiny, feature):
     plain = _taped(harness.make_engine(backend, tiny, p, **harness.plain_profile()), prompts, params)
     check_same_run(conformance, p, f"{feature} == plain greedy", with_feature, plain)
     # The optimization must really have run, or the comparison proved nothing.
-    used = {"chunked_prefill": lambda: fast.scheduler.prefill_chunks,
-            "cuda_graphs": lambda: getattr(fast.runner, "graph_replays", 0),
-            "spec_decode": lambda: fast.spec_stats()["drafted"]}[feature]()
+    used = {
+        "chunked_prefill": lambda: fast.scheduler.prefill_chunks,
+        "cuda_graphs": lambda: getattr(fast.runner, "graph_replays", 0),
+        "spec_decode": lambda: fast.spec_stats()["drafted"],
+    }[feature]()
     conformance.expect(used > 0, p, f"{feature} was used", f"{feature} is declared but the engine never used it")
 
 
@@ -806,13 +966,22 @@ def test_prefix_cache_hit_equals_miss(backend, conformance, invariant_precision,
     seqs = [harness.run_requests(cached, [q], SamplingParams(max_tokens=12, ignore_eos=True))[0] for q in prompts]
     hits = [s.num_cached_prefix for s in seqs]
     if not declares(backend, "prefix_caching"):
-        conformance.expect(sum(hits) == 0 and cached.blocks.prefix_hits == 0, p, "declared off is off",
-                           f"prefix_caching is declared off, yet cached prefix tokens were reused: {hits} per request")
+        conformance.expect(
+            sum(hits) == 0 and cached.blocks.prefix_hits == 0,
+            p,
+            "declared off is off",
+            f"prefix_caching is declared off, yet cached prefix tokens were reused: {hits} per request",
+        )
         return
     conformance.expect(all(h > 0 for h in hits[1:]), p, "prefix cache hit", f"cached prefix tokens per request: {hits}")
     uncached = harness.make_engine(backend, tiny, p, **harness.plain_profile(), prefix_caching=False)
-    check_same_run(conformance, p, "hit == miss", (seqs, tape),
-                   _taped_alone(uncached, prompts, SamplingParams(max_tokens=12, ignore_eos=True)))
+    check_same_run(
+        conformance,
+        p,
+        "hit == miss",
+        (seqs, tape),
+        _taped_alone(uncached, prompts, SamplingParams(max_tokens=12, ignore_eos=True)),
+    )
 
 
 def test_batch_invariance(backend, conformance, invariant_precision, tiny):
@@ -830,8 +999,10 @@ def test_seeded_determinism(backend, conformance, invariant_precision, tiny):
     prompts = harness.tiny_prompts(4, 9)
 
     def params(seed_base: int) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed_base + i, ignore_eos=True)
-                for i in range(len(prompts))]
+        return [
+            SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed_base + i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
 
     def batched(seed_base: int):
         tape = harness.LogitTape(engine)
@@ -843,8 +1014,9 @@ def test_seeded_determinism(backend, conformance, invariant_precision, tiny):
     first = batched(100)
     if not check_same_run(conformance, p, "same seed same tokens", first, batched(100), greedy=False):
         return  # a fault already named (non-finite logits say so); the seed cases below would only echo it
-    check_same_run(conformance, p, "seeded batch == alone", first, _taped_alone(engine, prompts, params(100)),
-                   greedy=False)
+    check_same_run(
+        conformance, p, "seeded batch == alone", first, _taped_alone(engine, prompts, params(100)), greedy=False
+    )
     changed, _ = harness.mismatches(harness.outputs(first[0]), harness.outputs(batched(500)[0]))
     conformance.expect(changed > 0, p, "other seed other tokens", "changing every seed changed no token")
 
@@ -878,9 +1050,19 @@ def test_e2e_default_model(backend, conformance, default_model):
     p = backend.default_precision
     tok = default_model.tokenizer
     # No prefix cache: prompt_logits needs each whole prompt computed in one step, after greedy runs of its prefix.
-    engines = {name: harness.make_engine(b, default_model, prec, **harness.plain_profile(), max_model_len=1024,
-                                         max_num_batched_tokens=1024, kv_cache_max_gib=0.25, prefix_caching=False)
-               for name, b, prec in (("backend", backend, p), ("cpu", _cpu_backend(), "fp32"))}
+    engines = {
+        name: harness.make_engine(
+            b,
+            default_model,
+            prec,
+            **harness.plain_profile(),
+            max_model_len=1024,
+            max_num_batched_tokens=1024,
+            kv_cache_max_gib=0.25,
+            prefix_caching=False,
+        )
+        for name, b, prec in (("backend", backend, p), ("cpu", _cpu_backend(), "fp32"))
+    }
     # Greedy, judged at the backend's own precision by teacher forcing: the CPU's 16 greedy tokens go through both
     # in one step; where the CPU's choice is clear (CLEAR_MARGIN), the backend must make it too. Exact token
     # streams would test rounding: bf16 leaves fp32's greedy path after 5 tokens on these prompts on the CPU itself.
@@ -898,16 +1080,24 @@ def test_e2e_default_model(backend, conformance, default_model):
         off = (is_clear & ~picks).nonzero().flatten().tolist()
         if off and not first_off:
             j = off[0]
-            first_off = (f"first clear step missed: prompt {i} step {j}, cpu token {out[j]} (margin "
-                         f"{float(top2[j, 0] - top2[j, 1]):.3g}), backend token {int(mine[j].argmax())}")
-    conformance.check("e2e_greedy_agreement", p, agree / max(clear, 1), "greedy vs cpu",
-                      detail=f"{agree} of {clear} clear steps agree; {first_off}",
-                      fault=None if clear >= 8 else f"only {clear} of 48 steps have a clear margin: nothing to judge")
+            first_off = (
+                f"first clear step missed: prompt {i} step {j}, cpu token {out[j]} (margin "
+                f"{float(top2[j, 0] - top2[j, 1]):.3g}), backend token {int(mine[j].argmax())}"
+            )
+    conformance.check(
+        "e2e_greedy_agreement",
+        p,
+        agree / max(clear, 1),
+        "greedy vs cpu",
+        detail=f"{agree} of {clear} clear steps agree; {first_off}",
+        fault=None if clear >= 8 else f"only {clear} of 48 steps have a clear margin: nothing to judge",
+    )
     ids = tok.encode(SHAKESPEARE)
     ppl = {n: _perplexity(harness.prompt_logits(engines[n], ids), ids) for n in ("backend", "cpu")}
     rel = abs(ppl["backend"] - ppl["cpu"]) / ppl["cpu"]
-    conformance.check("e2e_perplexity", p, rel, "shakespeare",
-                      detail=f"perplexity {ppl['backend']:.3f} vs cpu {ppl['cpu']:.3f}")
+    conformance.check(
+        "e2e_perplexity", p, rel, "shakespeare", detail=f"perplexity {ppl['backend']:.3f} vs cpu {ppl['cpu']:.3f}"
+    )
 
 
 def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:

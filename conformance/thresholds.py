@@ -45,36 +45,74 @@ def _by_dtype(fp32: float, bf16: float, fp16: float) -> dict[str, float]:
 THRESHOLDS: dict[str, Bound] = {
     "embedding": Bound("nmse", True, EXACT, "a row copy: nothing to round"),
     "rmsnorm": Bound("nmse", True, _by_dtype(1e-10, 1e-5, 2e-7), "fp32 statistics, one output rounding"),
-    "add_rmsnorm": Bound("nmse", True, _by_dtype(1e-10, 2e-5, 5e-7),
-                         "both outputs (normed, residual sum) are checked"),
+    "add_rmsnorm": Bound("nmse", True, _by_dtype(1e-10, 2e-5, 5e-7), "both outputs (normed, residual sum) are checked"),
     "rope": Bound("nmse", True, _by_dtype(1e-10, 1e-5, 2e-7), "fp32 rotation, one output rounding"),
     "silu_and_mul": Bound("nmse", True, _by_dtype(1e-10, 5e-5, 5e-7), "one output rounding of a product"),
-    "store_kv": Bound("nmse", True, EXACT, "a cast into the cache dtype; slots outside slot_mapping must stay untouched"),
-    "attention": Bound("nmse", True, _by_dtype(1e-10, 2e-5, 5e-7),
-                       "fp32 softmax; bf16 kernels may round the probabilities once; contexts up to 4200 keys"),
-    "linear": Bound("nmse", True, _row(1e-10, 2e-5, 5e-7, 5e-3, 2e-2, 5e-5),
-                    "vs the dequantized weight; fp32 excludes TF32; fp8 allows per-token fp8 activations (e5m2:"
-                    " 4 x e4m3's, one mantissa bit less)"),
-    "gain": Bound("|gain - 1|", True, _row(1e-5, 2.5e-3, 1e-3, 2.5e-3, 2.5e-3, 2.5e-3),
-                  "every op comparison: out ≈ gain x ref (least squares); the bound is the larger of this and 5"
-                  " standard errors of the gain (rounding averages out, a systematic scale does not)"),
-    "sample_tv": Bound("total variation", True, _row(*[0.06] * 6),
-                       "seeded sampling frequencies over 4000 rows vs softmax(logits / T)"),
-    "engine_logits": Bound("nmse", True, _row(1e-8, 1e-3, 1e-4, 2e-2, 8e-2, 1e-3),
-                           "tiny model's prompt logits vs the reference engine with the same quantized weights"),
-    "step_logits": Bound("nmse", True, _row(1e-8, 1e-3, 1e-4, 2e-2, 8e-2, 1e-3),
-                         "engine invariants: logits behind each token of two runs that must agree (chunked vs not,"
-                         " batched vs alone, prefix hit vs miss...), compared until their tokens part"),
-    "quantized_path_used": Bound("nmse ratio", False, _row(0, 0, 0, 0.25, 0.25, 0.25),
-                                 "distance to the fp32 model / the quantized reference's distance to it:"
-                                 " near 0 means the backend silently kept full-precision weights"),
-    "logits_vs_fp32": Bound("nmse", True, _row(1e-8, 2e-3, 2e-4, 4e-2, 0.15, 0.25),
-                            "the end-to-end effect of the precision on the tiny model's logits"),
-    "e2e_greedy_agreement": Bound("share of clear steps", False, _row(1, 1, 1, 0.9, 0.9, 0.9),
-                                  "default model, the CPU's 16 greedy tokens on three prompts fed to both: the"
-                                  " backend's argmax where the CPU's top-2 margin is clear (suite.CLEAR_MARGIN)"),
-    "e2e_perplexity": Bound("relative difference", True, _row(0.005, 0.02, 0.01, 0.05, 0.1, 0.02),
-                            "perplexity of a fixed Shakespeare passage vs the CPU backend (default model)"),
+    "store_kv": Bound(
+        "nmse", True, EXACT, "a cast into the cache dtype; slots outside slot_mapping must stay untouched"
+    ),
+    "attention": Bound(
+        "nmse",
+        True,
+        _by_dtype(1e-10, 2e-5, 5e-7),
+        "fp32 softmax; bf16 kernels may round the probabilities once; contexts up to 4200 keys",
+    ),
+    "linear": Bound(
+        "nmse",
+        True,
+        _row(1e-10, 2e-5, 5e-7, 5e-3, 2e-2, 5e-5),
+        "vs the dequantized weight; fp32 excludes TF32; fp8 allows per-token fp8 activations (e5m2:"
+        " 4 x e4m3's, one mantissa bit less)",
+    ),
+    "gain": Bound(
+        "|gain - 1|",
+        True,
+        _row(1e-5, 2.5e-3, 1e-3, 2.5e-3, 2.5e-3, 2.5e-3),
+        "every op comparison: out ≈ gain x ref (least squares); the bound is the larger of this and 5"
+        " standard errors of the gain (rounding averages out, a systematic scale does not)",
+    ),
+    "sample_tv": Bound(
+        "total variation", True, _row(*[0.06] * 6), "seeded sampling frequencies over 4000 rows vs softmax(logits / T)"
+    ),
+    "engine_logits": Bound(
+        "nmse",
+        True,
+        _row(1e-8, 1e-3, 1e-4, 2e-2, 8e-2, 1e-3),
+        "tiny model's prompt logits vs the reference engine with the same quantized weights",
+    ),
+    "step_logits": Bound(
+        "nmse",
+        True,
+        _row(1e-8, 1e-3, 1e-4, 2e-2, 8e-2, 1e-3),
+        "engine invariants: logits behind each token of two runs that must agree (chunked vs not,"
+        " batched vs alone, prefix hit vs miss...), compared until their tokens part",
+    ),
+    "quantized_path_used": Bound(
+        "nmse ratio",
+        False,
+        _row(0, 0, 0, 0.25, 0.25, 0.25),
+        "distance to the fp32 model / the quantized reference's distance to it:"
+        " near 0 means the backend silently kept full-precision weights",
+    ),
+    "logits_vs_fp32": Bound(
+        "nmse",
+        True,
+        _row(1e-8, 2e-3, 2e-4, 4e-2, 0.15, 0.25),
+        "the end-to-end effect of the precision on the tiny model's logits",
+    ),
+    "e2e_greedy_agreement": Bound(
+        "share of clear steps",
+        False,
+        _row(1, 1, 1, 0.9, 0.9, 0.9),
+        "default model, the CPU's 16 greedy tokens on three prompts fed to both: the"
+        " backend's argmax where the CPU's top-2 margin is clear (suite.CLEAR_MARGIN)",
+    ),
+    "e2e_perplexity": Bound(
+        "relative difference",
+        True,
+        _row(0.005, 0.02, 0.01, 0.05, 0.1, 0.02),
+        "perplexity of a fixed Shakespeare passage vs the CPU backend (default model)",
+    ),
 }
 
 

@@ -7,6 +7,7 @@ abort frees the request's KV blocks before the next step runs.
 """
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -37,8 +38,15 @@ class RequestStream:
     The finish reason is None until the last item. `cancel()` stops the request and frees its blocks.
     """
 
-    def __init__(self, owner: "AsyncEngine", prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 chunked_prefill: bool | None, spec: bool):
+    def __init__(
+        self,
+        owner: "AsyncEngine",
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        chunked_prefill: bool | None,
+        spec: bool,
+    ):
         self.owner, self.prompt_ids, self.params, self.request_id = owner, prompt_ids, params, request_id
         self.chunked_prefill, self.spec = chunked_prefill, spec
         self.loop = asyncio.get_running_loop()
@@ -79,10 +87,8 @@ class RequestStream:
 
     def put(self, item) -> None:
         """From the engine thread: hand an item to the event loop (dropped if that loop is gone)."""
-        try:
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass
 
 
 class AsyncEngine:
@@ -105,8 +111,14 @@ class AsyncEngine:
         self.commands.put(("stop",))
         self.thread.join(timeout)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-               chunked_prefill: bool | None = None, spec: bool = True) -> RequestStream:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        chunked_prefill: bool | None = None,
+        spec: bool = True,
+    ) -> RequestStream:
         if self.status != "ok":
             self.metrics.requests.labels("rejected").inc()
             raise NotReady(f"the server is {self.status.replace('_', ' ')}; retry shortly")
@@ -139,8 +151,9 @@ class AsyncEngine:
             except Exception as exc:  # outside any one request: fail those running, serve the next ones
                 log.exception("an engine step failed")
                 try:
-                    self._abort_all(f"the engine failed ({type(exc).__name__}: {exc}); see the server log",
-                                    RequestFailed)
+                    self._abort_all(
+                        f"the engine failed ({type(exc).__name__}: {exc}); see the server log", RequestFailed
+                    )
                 except Exception as abort_exc:
                     self._give_up(abort_exc)
                     return
@@ -177,8 +190,13 @@ class AsyncEngine:
         kind, stream = command
         if kind == "add":
             try:
-                seq = self.engine.add_request(stream.prompt_ids, stream.params, stream.request_id,
-                                              chunked_prefill=stream.chunked_prefill, spec_enabled=stream.spec)
+                seq = self.engine.add_request(
+                    stream.prompt_ids,
+                    stream.params,
+                    stream.request_id,
+                    chunked_prefill=stream.chunked_prefill,
+                    spec_enabled=stream.spec,
+                )
             except FlashnextError as exc:
                 stream.put(exc)
                 return

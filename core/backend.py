@@ -171,8 +171,16 @@ class Backend:
         the engine reads only `config`, `device` and `dtype` (the activation dtype, the KV cache's "auto") of it."""
         from .model import DecoderModel
 
-        return DecoderModel(loaded.config, loaded.weights, self.kernels(precision), precision, self.device(),
-                            self.activation_dtype(precision), self.head_dtype(precision), quantized_head)
+        return DecoderModel(
+            loaded.config,
+            loaded.weights,
+            self.kernels(precision),
+            precision,
+            self.device(),
+            self.activation_dtype(precision),
+            self.head_dtype(precision),
+            quantized_head,
+        )
 
     def load_model(self, spec: str | None):
         """The model a user names (folder, .gguf, HF id or None for the default), loaded by the core's loader; a
@@ -229,20 +237,25 @@ class Backend:
                 f" (supported: {', '.join(self.precisions)})"
             )
         caps = self.capabilities
-        for feature, wanted, has in (("cuda_graphs", profile.cuda_graphs, caps.cuda_graphs),
-                                     ("chunked_prefill", profile.chunked_prefill, caps.chunked_prefill)):
+        for feature, wanted, has in (
+            ("cuda_graphs", profile.cuda_graphs, caps.cuda_graphs),
+            ("chunked_prefill", profile.chunked_prefill, caps.chunked_prefill),
+        ):
             if wanted and not has:
                 raise UserError(f"backend '{self.name}' does not implement {feature}; use --profile basic")
         if profile.spec != "none" and profile.spec not in caps.drafters:
             has = f" (it drafts with: {', '.join(caps.drafters)})" if caps.drafters else ""
             raise UserError(f"backend '{self.name}' does not implement --spec {profile.spec}{has}; use --spec none")
         if profile.kv_cache_dtype != "auto" and profile.kv_cache_dtype not in caps.kv_dtypes:
-            raise UserError(f"backend '{self.name}' has no {profile.kv_cache_dtype} KV cache; use --kv-cache-dtype"
-                            " auto")
+            raise UserError(
+                f"backend '{self.name}' has no {profile.kv_cache_dtype} KV cache; use --kv-cache-dtype auto"
+            )
         if profile.attention != "auto" and profile.attention not in self.attention_kernels:
             offered = ", ".join(("auto",) + self.attention_kernels)
-            raise UserError(f"attention '{profile.attention}' is not offered by backend '{self.name}'"
-                            f" (choose {offered}; FLASHNEXT_ATTENTION)")
+            raise UserError(
+                f"attention '{profile.attention}' is not offered by backend '{self.name}'"
+                f" (choose {offered}; FLASHNEXT_ATTENTION)"
+            )
         return PRECISIONS[precision]
 
 
@@ -250,11 +263,12 @@ def incompatibility(backend: Backend) -> str | None:
     """Why this flashnext cannot run a plugin written for another contract version, in one line (None: it can)."""
     version = backend.api_version or 1
     if version > API_VERSION:
-        return (f"written for plugin API {version}, newer than this flashnext's API {API_VERSION}:"
-                " upgrade flashnext")
+        return f"written for plugin API {version}, newer than this flashnext's API {API_VERSION}: upgrade flashnext"
     if version < API_VERSION and type(backend).runner_class is not Backend.runner_class:
-        return (f"written for plugin API {version}; API {API_VERSION} changed its runner: "
-                f"{API_CHANGES[API_VERSION]} (docs/plugins.md)")
+        return (
+            f"written for plugin API {version}; API {API_VERSION} changed its runner: "
+            f"{API_CHANGES[API_VERSION]} (docs/plugins.md)"
+        )
     return None
 
 

@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -21,7 +21,8 @@ from .cli_conformance import conformance
 from .cli_export import export
 from .cli_serve import serve
 from .errors import FlashnextError
-from .threads import HELP as THREADS_HELP, threads_text
+from .threads import HELP as THREADS_HELP
+from .threads import threads_text
 
 WARM_UP_HELP = "Do the one-time work (weight expansion, graph captures) before the first request; timed as warm_up_s."
 
@@ -40,8 +41,9 @@ def _print_version(value: bool):
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ):
     state["debug"] = debug
 
@@ -74,8 +76,10 @@ def _out_of_memory(exc: Exception) -> str | None:
         return None
     asked = re.search(r"Tried to allocate ([\d.]+ \w+)", str(exc))
     detail = f" allocating {asked.group(1)}" if asked else ""
-    return (f"out of device memory{detail}; lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
-            "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision")
+    return (
+        f"out of device memory{detail}; lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
+        "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision"
+    )
 
 
 def _fail(message: str, code: int):
@@ -105,9 +109,14 @@ def backends(
     table = Table("backend", "available", "score", "precisions", "origin")
     table.add_column("reason", overflow="fold")  # a URL in a reason folds instead of losing its end
     for e in entries:  # precisions space-separated: a narrow terminal wraps them instead of cutting them off
-        table.add_row(e.name, "yes" if e.probe.available else "no", f"{e.probe.score:g}",
-                      " ".join(e.backend.precisions) if e.backend else "", f"{e.origin} ({e.entry_point})",
-                      e.probe.reason)
+        table.add_row(
+            e.name,
+            "yes" if e.probe.available else "no",
+            f"{e.probe.score:g}",
+            " ".join(e.backend.precisions) if e.backend else "",
+            f"{e.origin} ({e.entry_point})",
+            e.probe.reason,
+        )
     Console().print(table)
     if explain:
         for e in entries:
@@ -117,7 +126,7 @@ def backends(
         print(f"threads: {from_setting(None).reason}")
 
 
-def _read_prompt(prompt: Optional[str]) -> str:
+def _read_prompt(prompt: str | None) -> str:
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None:
@@ -136,26 +145,30 @@ def _explain(entries, chosen: str):
 @app.command()
 @friendly_errors
 def run(
-    prompt: Annotated[Optional[str], typer.Argument(help="Prompt text; read from stdin when omitted.")] = None,
+    prompt: Annotated[str | None, typer.Argument(help="Prompt text; read from stdin when omitted.")] = None,
     backend: Annotated[str, typer.Option(envvar="FLASHNEXT_BACKEND", help="auto or a backend name.")] = "auto",
-    model: Annotated[Optional[str], typer.Option(envvar="FLASHNEXT_MODEL", help="Folder, .gguf file or HF id.")] = None,
+    model: Annotated[str | None, typer.Option(envvar="FLASHNEXT_MODEL", help="Folder, .gguf file or HF id.")] = None,
     max_tokens: Annotated[int, typer.Option(min=1)] = 128,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
     top_k: Annotated[int, typer.Option(min=0)] = 0,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    precision: Annotated[Optional[str], typer.Option(help="fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int4.")] = None,
-    profile: Annotated[Optional[str], typer.Option(help="Backend profile, e.g. full or basic.")] = None,
-    spec: Annotated[Optional[str], typer.Option(help="Speculative decoding: none, ngram, mtp.")] = None,
-    spec_tokens: Annotated[Optional[int], typer.Option(min=1)] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(min=16)] = None,
-    kv_cache_dtype: Annotated[Optional[str], typer.Option(help="auto, fp8-e5m2, ...")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    precision: Annotated[str | None, typer.Option(help="fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int4.")] = None,
+    profile: Annotated[str | None, typer.Option(help="Backend profile, e.g. full or basic.")] = None,
+    spec: Annotated[str | None, typer.Option(help="Speculative decoding: none, ngram, mtp.")] = None,
+    spec_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    max_model_len: Annotated[int | None, typer.Option(min=16)] = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="auto, fp8-e5m2, ...")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of streaming.")] = False,
     explain: Annotated[bool, typer.Option("--explain", help="Print every backend probe's verdict.")] = False,
-    strict_clocks: Annotated[bool, typer.Option(
-        "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load.")] = False,
-    threads: Annotated[Optional[int], typer.Option(min=1, help=THREADS_HELP)] = None,
+    strict_clocks: Annotated[
+        bool,
+        typer.Option(
+            "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load."
+        ),
+    ] = False,
+    threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
     warm_up: Annotated[bool, typer.Option(help=WARM_UP_HELP)] = True,
 ):
     """Generate a completion for PROMPT."""
@@ -165,9 +178,18 @@ def run(
     text = _read_prompt(prompt)
     params = _sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     with progress.shown():
-        llm = LLM(model=model, backend=backend, precision=precision, profile=profile, spec=spec,
-                  spec_tokens=spec_tokens, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
-                  threads=threads, strict_clocks=strict_clocks or None)
+        llm = LLM(
+            model=model,
+            backend=backend,
+            precision=precision,
+            profile=profile,
+            spec=spec,
+            spec_tokens=spec_tokens,
+            max_model_len=max_model_len,
+            kv_cache_dtype=kv_cache_dtype,
+            threads=threads,
+            strict_clocks=strict_clocks or None,
+        )
         if warm_up:
             llm.warm_up()
     if explain:
@@ -191,10 +213,13 @@ def run(
         sys.stdout.write("\n")
         t = report["timing"]
         warm_up = f", warm-up {t['warm_up_s']:.1f} s" if t["warm_up_s"] >= 0.05 else ""
-        print(f"[{report['backend']} · {report['precision']} · {report['profile']['name']} · "
-              f"{threads_text(report['threads'])}] "
-              f"{report['completion_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.0f} ms, "
-              f"{t['decode_tok_s']:.1f} tok/s, load {t['load_s']:.1f} s{warm_up}", file=sys.stderr)
+        print(
+            f"[{report['backend']} · {report['precision']} · {report['profile']['name']} · "
+            f"{threads_text(report['threads'])}] "
+            f"{report['completion_tokens']} tokens, TTFT {t['ttft_s'] * 1000:.0f} ms, "
+            f"{t['decode_tok_s']:.1f} tok/s, load {t['load_s']:.1f} s{warm_up}",
+            file=sys.stderr,
+        )
 
 
 def _clock(llm) -> tuple[float, float]:
@@ -215,8 +240,9 @@ def _sampling(**fields):
         raise UserError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from None
 
 
-def _report(llm, seq, text: str, start: tuple[float, float], first: tuple[float, float],
-            end: tuple[float, float]) -> dict:
+def _report(
+    llm, seq, text: str, start: tuple[float, float], first: tuple[float, float], end: tuple[float, float]
+) -> dict:
     """start / first / end: _clock at the request, its first token and its last. One-time work (warm_up_s: the
     warm-up before the request, and any inside its steps) is taken out of the time to first token and the decode
     rate, and reported on its own."""
@@ -249,17 +275,23 @@ def _report(llm, seq, text: str, start: tuple[float, float], first: tuple[float,
 @friendly_errors
 def bench(
     backend: Annotated[str, typer.Option(help="Backend name or auto.", envvar="FLASHNEXT_BACKEND")] = "auto",
-    model: Annotated[Optional[str], typer.Option(help="Model path or HF id (default: the embedded model).")] = None,
-    shape: Annotated[Optional[str], typer.Option(help="Random weights of this shape: qwen3-0.6b or smollm2-135m.")] = None,
+    model: Annotated[str | None, typer.Option(help="Model path or HF id (default: the embedded model).")] = None,
+    shape: Annotated[str | None, typer.Option(help="Random weights of this shape: qwen3-0.6b or smollm2-135m.")] = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes.")] = "1,8,64",
     prompt_len: Annotated[int, typer.Option("--prompt-len", min=1, help="Prompt tokens per request.")] = 256,
     gen_len: Annotated[int, typer.Option("--gen-len", min=1, help="Generated tokens per request.")] = 128,
-    precision: Annotated[Optional[str], typer.Option(
-        help="Weight precision (default: the backend's for the model; for --shape, the embedded model's).")] = None,
-    profile: Annotated[Optional[str], typer.Option(help="Profile name (e.g. full, basic).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option(
-        "--json", help="Write the results here (a JSON list, rewritten after each configuration).")] = None,
-    threads: Annotated[Optional[int], typer.Option(min=1, help=THREADS_HELP)] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            help="Weight precision (default: the backend's for the model; for --shape, the embedded model's)."
+        ),
+    ] = None,
+    profile: Annotated[str | None, typer.Option(help="Profile name (e.g. full, basic).")] = None,
+    json_path: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write the results here (a JSON list, rewritten after each configuration)."),
+    ] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
 ):
     """Measure TTFT, decode tok/s and throughput for each batch size."""
     from .cli_bench import run_bench

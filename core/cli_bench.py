@@ -26,13 +26,34 @@ from .threads import apply_setting
 
 SHAPES = {
     "qwen3-0.6b": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-        num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True),
+        architecture="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
     "smollm2-135m": ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100_000.0,
-        max_position_embeddings=8192, tie_word_embeddings=True),
+        architecture="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100_000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -66,19 +87,31 @@ def random_model_of(cfg: ModelConfig, shape: str, device: torch.device, seed: in
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16, device=device)
 
-    h, q, kv, ffn = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    h, q, kv, ffn = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     weights = {"model.embed_tokens.weight": dense(cfg.vocab_size, h), "model.norm.weight": ones(h)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         weights |= {
-            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-            p + "self_attn.q_proj.weight": dense(q, h), p + "self_attn.k_proj.weight": dense(kv, h),
-            p + "self_attn.v_proj.weight": dense(kv, h), p + "self_attn.o_proj.weight": dense(h, q),
-            p + "mlp.gate_proj.weight": dense(ffn, h), p + "mlp.up_proj.weight": dense(ffn, h),
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+            p + "self_attn.q_proj.weight": dense(q, h),
+            p + "self_attn.k_proj.weight": dense(kv, h),
+            p + "self_attn.v_proj.weight": dense(kv, h),
+            p + "self_attn.o_proj.weight": dense(h, q),
+            p + "mlp.gate_proj.weight": dense(ffn, h),
+            p + "mlp.up_proj.weight": dense(ffn, h),
             p + "mlp.down_proj.weight": dense(h, ffn),
         }
         if cfg.qk_norm:
-            weights |= {p + "self_attn.q_norm.weight": ones(cfg.head_dim), p + "self_attn.k_norm.weight": ones(cfg.head_dim)}
+            weights |= {
+                p + "self_attn.q_norm.weight": ones(cfg.head_dim),
+                p + "self_attn.k_norm.weight": ones(cfg.head_dim),
+            }
     if not cfg.tie_word_embeddings:
         weights["lm_head.weight"] = dense(cfg.vocab_size, h)
     return LoadedModel(cfg, weights, RandomVocabulary(), f"random:{shape}", shape)
@@ -143,9 +176,18 @@ def _flashnext_version() -> str:
         return "unknown"
 
 
-def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile: str | None,
-               batch_sizes: list[int], prompt_len: int, gen_len: int, configure=None, on_row=None,
-               **overrides) -> list[dict]:
+def bench_rows(
+    loaded: LoadedModel,
+    backend: str,
+    precision: str | None,
+    profile: str | None,
+    batch_sizes: list[int],
+    prompt_len: int,
+    gen_len: int,
+    configure=None,
+    on_row=None,
+    **overrides,
+) -> list[dict]:
     """One engine for all batch sizes (room for the largest); a short warm-up run per size first.
 
     `configure(llm)` may adjust the engine before anything runs (benchmark scripts comparing kernel variants);
@@ -164,8 +206,10 @@ def bench_rows(loaded: LoadedModel, backend: str, precision: str | None, profile
             if on_row:
                 on_row(rows[-1])
             r = rows[-1]
-            advance(f"batch {b}: ttft {r['ttft_s']:.3f} s, decode {r['decode_tok_s']:.1f} tok/s, "
-                    f"throughput {r['throughput_tok_s']:.1f} tok/s")
+            advance(
+                f"batch {b}: ttft {r['ttft_s']:.3f} s, decode {r['decode_tok_s']:.1f} tok/s, "
+                f"throughput {r['throughput_tok_s']:.1f} tok/s"
+            )
     return rows
 
 
@@ -177,16 +221,27 @@ def _bench_row(llm: LLM, loaded: LoadedModel, b: int, prompt_len: int, gen_len: 
     t = time_generation(llm, b, prompt_len, gen_len, seed=b)
     runner = llm.engine.runner.stats()
     return {
-        "machine": machine_name(backend), "backend": llm.info.backend, "shape": loaded.name,
-        "precision": llm.engine.precision.name, "profile": llm.profile.name,
-        "cuda_graphs": llm.profile.cuda_graphs, "batch_size": b, "prompt_len": prompt_len, "gen_len": gen_len,
-        "ttft_s": round(t.ttft_s, 5), "decode_tok_s": round(t.decode_tok_s, 1),
-        "throughput_tok_s": round(t.throughput_tok_s, 1), "wall_s": round(t.wall_s, 4),
-        "warm_up_s": round(llm.warm_up_s, 4), "threads": llm.threads.threads,
+        "machine": machine_name(backend),
+        "backend": llm.info.backend,
+        "shape": loaded.name,
+        "precision": llm.engine.precision.name,
+        "profile": llm.profile.name,
+        "cuda_graphs": llm.profile.cuda_graphs,
+        "batch_size": b,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "ttft_s": round(t.ttft_s, 5),
+        "decode_tok_s": round(t.decode_tok_s, 1),
+        "throughput_tok_s": round(t.throughput_tok_s, 1),
+        "wall_s": round(t.wall_s, 4),
+        "warm_up_s": round(llm.warm_up_s, 4),
+        "threads": llm.threads.threads,
         "peak_memory_bytes": backend.memory_peak_bytes(),
-        "graph_captures": runner.graph_captures, "graph_replays": runner.graph_replays,
+        "graph_captures": runner.graph_captures,
+        "graph_replays": runner.graph_replays,
         "graph_memory_bytes": runner.graph_memory_bytes,
-        "flashnext_version": _flashnext_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "flashnext_version": _flashnext_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
@@ -209,8 +264,18 @@ def default_precision(backend: str, shape: str | None) -> str | None:
     return registry.select(registry.discover(), backend).backend.preferred_precision(stored_like_default_model)
 
 
-def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: str, prompt_len: int, gen_len: int,
-              precision: str | None, profile: str | None, json_path: Path | None, threads: int | None) -> None:
+def run_bench(
+    backend: str,
+    model: str | None,
+    shape: str | None,
+    batch_sizes: str,
+    prompt_len: int,
+    gen_len: int,
+    precision: str | None,
+    profile: str | None,
+    json_path: Path | None,
+    threads: int | None,
+) -> None:
     """`flashnext bench`: the table on stdout, and --json rewritten after every configuration, so a run cut short
     still leaves valid JSON with the rows measured so far."""
     from rich.console import Console
@@ -233,13 +298,37 @@ def run_bench(backend: str, model: str | None, shape: str | None, batch_sizes: s
         with progress.stage("building random weights" if shape else "loading model") as advance:
             loaded = load_bench_model(model, shape)
             advance(loaded.name)
-        bench_rows(loaded, backend, precision or default_precision(backend, shape), profile, sizes, prompt_len,
-                   gen_len, on_row=keep, threads=threads)
+        bench_rows(
+            loaded,
+            backend,
+            precision or default_precision(backend, shape),
+            profile,
+            sizes,
+            prompt_len,
+            gen_len,
+            on_row=keep,
+            threads=threads,
+        )
     # Fits 80 columns (a log, a pipe) without cutting a word: "total" is throughput_tok_s.
-    table = Table("batch", Column("precision", min_width=9, no_wrap=True), "profile", "ttft s", "decode tok/s",
-                  "total tok/s", "warm-up s", "peak MiB")
+    table = Table(
+        "batch",
+        Column("precision", min_width=9, no_wrap=True),
+        "profile",
+        "ttft s",
+        "decode tok/s",
+        "total tok/s",
+        "warm-up s",
+        "peak MiB",
+    )
     for r in rows:
-        table.add_row(str(r["batch_size"]), r["precision"], r["profile"], f"{r['ttft_s']:.4f}",
-                      f"{r['decode_tok_s']:.1f}", f"{r['throughput_tok_s']:.1f}", f"{r['warm_up_s']:.2f}",
-                      f"{r['peak_memory_bytes'] / 2**20:.0f}")
+        table.add_row(
+            str(r["batch_size"]),
+            r["precision"],
+            r["profile"],
+            f"{r['ttft_s']:.4f}",
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['throughput_tok_s']:.1f}",
+            f"{r['warm_up_s']:.2f}",
+            f"{r['peak_memory_bytes'] / 2**20:.0f}",
+        )
     Console().print(table)

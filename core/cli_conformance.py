@@ -3,7 +3,7 @@
 import importlib.util
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,11 +12,13 @@ from .threads import HELP as threads_help
 
 
 def conformance(
-    backend: Annotated[str, typer.Option(envvar="FLASHNEXT_BACKEND", help="Backend to check: a name or auto.")] = "auto",
-    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
-    select: Annotated[Optional[str], typer.Option("-k", help="Only cases matching this pytest -k expression.")] = None,
-    threads: Annotated[Optional[int], typer.Option(min=1, help=threads_help)] = None,
+    backend: Annotated[
+        str, typer.Option(envvar="FLASHNEXT_BACKEND", help="Backend to check: a name or auto.")
+    ] = "auto",
+    junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML here.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON report here.")] = None,
+    select: Annotated[str | None, typer.Option("-k", help="Only cases matching this pytest -k expression.")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, help=threads_help)] = None,
 ):
     """Check a backend's kernels, precisions and engine invariants against the reference; exit 1 on any failure."""
     from . import registry
@@ -36,7 +38,7 @@ def conformance(
     raise typer.Exit(code)
 
 
-def _run_pytest(backend: str, junit: Optional[Path], json_path: Optional[Path], select: Optional[str]) -> int:
+def _run_pytest(backend: str, junit: Path | None, json_path: Path | None, select: str | None) -> int:
     try:
         import pytest
     except ModuleNotFoundError as exc:  # a stripped install: name what to add, no traceback
@@ -44,8 +46,22 @@ def _run_pytest(backend: str, junit: Optional[Path], json_path: Optional[Path], 
 
     suite = importlib.util.find_spec("flashnext.conformance.suite").origin
     # Our own rootdir and an empty ini file: the user's project config and conftest files must not change the cases.
-    args = [suite, "--rootdir", str(Path(suite).parent), "-c", os.devnull, "-p", "no:cacheprovider",
-            "--import-mode=importlib", "-o", "junit_family=xunit1", "-q", "-rN", "--flashnext-backend", backend]
+    args = [
+        suite,
+        "--rootdir",
+        str(Path(suite).parent),
+        "-c",
+        os.devnull,
+        "-p",
+        "no:cacheprovider",
+        "--import-mode=importlib",
+        "-o",
+        "junit_family=xunit1",
+        "-q",
+        "-rN",
+        "--flashnext-backend",
+        backend,
+    ]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         args += ["-p", "flashnext.conformance.pytest_plugin"]
     if junit is not None:

@@ -5,7 +5,7 @@ backend's `export(target, loaded, out, **options)` writes the folder and returns
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,7 @@ from .errors import UserError
 def export(
     target: Annotated[str, typer.Option(help="Device to export for, e.g. rk3588.")],
     out: Annotated[Path, typer.Option(help="Folder to write (graphs, tokenizer, config, manifest.json).")],
-    model: Annotated[Optional[str], typer.Option(envvar="FLASHNEXT_MODEL", help="Folder, .gguf file or HF id.")] = None,
+    model: Annotated[str | None, typer.Option(envvar="FLASHNEXT_MODEL", help="Folder, .gguf file or HF id.")] = None,
     precision: Annotated[str, typer.Option(help="Weight precision in the graphs, e.g. int4.")] = "int4",
     batch: Annotated[int, typer.Option(min=1, help="Sequences in the decode graph.")] = 4,
     chunk: Annotated[int, typer.Option(min=1, help="Tokens in the prefill graph.")] = 32,
@@ -30,6 +30,7 @@ def export(
     if not entries:
         known = sorted({t for e in registry.discover() if e.backend for t in getattr(e.backend, "export_targets", ())})
         raise UserError(f"--target {target}: no installed backend exports it (targets: {', '.join(known) or 'none'})")
-    manifest = entries[0].backend.export(target, load_model(model), out, precision=precision, batch=batch,
-                                         chunk=chunk, context=context, check=check)
+    manifest = entries[0].backend.export(
+        target, load_model(model), out, precision=precision, batch=batch, chunk=chunk, context=context, check=check
+    )
     print(json.dumps(manifest, indent=2))

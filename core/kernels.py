@@ -29,8 +29,9 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...] = ()
 
     @classmethod
-    def from_host(cls, slots: list[int], query_lens: list[int], context_lens: list[int],
-                  block_tables: list[list[int]], device) -> "AttentionMetadata":
+    def from_host(
+        cls, slots: list[int], query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], device
+    ) -> "AttentionMetadata":
         """Built from host lists: one row per sequence, block tables padded with -1 to the longest."""
         width = max(len(t) for t in block_tables)
         starts = [0]

@@ -13,7 +13,6 @@ from .loader import LoadedModel
 from .profile import Profile, env_overrides
 from .threads import ThreadChoice, apply_threads, choose_threads
 
-
 WARM_UP_PROMPT = 4  # tokens: a prefill and then a decode step, each shape the first real request runs
 
 
@@ -51,8 +50,14 @@ def within_context(loaded: LoadedModel, max_model_len: int | None) -> LoadedMode
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel | None = None, backend: str = "auto", precision: str | None = None,
-                 profile: str | None = None, **profile_overrides):
+    def __init__(
+        self,
+        model: str | LoadedModel | None = None,
+        backend: str = "auto",
+        precision: str | None = None,
+        profile: str | None = None,
+        **profile_overrides,
+    ):
         start = time.perf_counter()
         entries = registry.discover()
         entry = registry.select(entries, backend)
@@ -106,8 +111,9 @@ class LLM:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
-                 chat: bool = False) -> list[Completion]:
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None, chat: bool = False
+    ) -> list[Completion]:
         params = params or SamplingParams()
         items = [prompts] if isinstance(prompts, str) else prompts
         seqs = [self.engine.add_request(self._ids(p, chat), params) for p in items]
@@ -115,8 +121,9 @@ class LLM:
             self.engine.step()
         return [self._completion(s) for s in seqs]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-               chat: bool = False) -> Iterator[tuple[str, list[int]]]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, chat: bool = False
+    ) -> Iterator[tuple[str, list[int]]]:
         """Yields (new text, new token ids) as tokens come; the last item may carry text only."""
         seq = self.engine.add_request(self._ids(prompt, chat), params or SamplingParams())
         decoder = self.tokenizer.stream()

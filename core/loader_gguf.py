@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -74,16 +75,20 @@ def _gguf_count(reader, key: str, path: Path, default=None) -> int | None:
         value = value[0]
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    raise UserError(f"{path}: GGUF metadata {key} = {shown(value)} is not a whole number (per-layer values "
-                    "must all be equal); the file is damaged or not supported, use another GGUF")
+    raise UserError(
+        f"{path}: GGUF metadata {key} = {shown(value)} is not a whole number (per-layer values "
+        "must all be equal); the file is damaged or not supported, use another GGUF"
+    )
 
 
 def _gguf_float(reader, key: str, path: Path, default: float) -> float:
     value = _gguf_value(reader, key, default)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
-    raise UserError(f"{path}: GGUF metadata {key} = {shown(value)} is not a finite number > 0; the file is "
-                    "damaged, use another GGUF")
+    raise UserError(
+        f"{path}: GGUF metadata {key} = {shown(value)} is not a finite number > 0; the file is "
+        "damaged, use another GGUF"
+    )
 
 
 def llama_unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
@@ -122,10 +127,8 @@ def load_gguf(path: str | Path) -> LoadedModel:
             model_cache.discard(entry, str(exc))
     loaded = _parse_gguf(path)
     if entry:
-        try:
+        with contextlib.suppress(OSError):  # a read-only home only costs speed
             model_cache.save(entry, loaded.config, loaded.weights, loaded.tokenizer)
-        except OSError:
-            pass  # a read-only home only costs speed
     return loaded
 
 
@@ -140,7 +143,9 @@ def _parse_gguf(path: Path) -> LoadedModel:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:
         msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable GGUF file ({msg}); the file is damaged or truncated, re-download it") from None
+        raise UserError(
+            f"{path}: not a readable GGUF file ({msg}); the file is damaged or truncated, re-download it"
+        ) from None
     src = str(path)
 
     arch = _gguf_value(reader, "general.architecture")
@@ -198,14 +203,18 @@ def _parse_gguf(path: Path) -> LoadedModel:
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if t.tensor_type.name in _INTEGER_TYPES:
-            raise UserError(f"{path}: tensor {t.name} is {t.tensor_type.name}, not a float or quantized weight type; "
-                            "use a GGUF as llama.cpp converts it")
+            raise UserError(
+                f"{path}: tensor {t.name} is {t.tensor_type.name}, not a float or quantized weight type; "
+                "use a GGUF as llama.cpp converts it"
+            )
         try:
             weights[name] = _gguf_tensor(t)
         except UserError:
             raise
         except Exception as exc:
-            raise UserError(f"{path}: cannot decode tensor {t.name} ({type(exc).__name__}: {exc}); re-download the file") from None
+            raise UserError(
+                f"{path}: cannot decode tensor {t.name} ({type(exc).__name__}: {exc}); re-download the file"
+            ) from None
 
     if "rope_freqs.weight" in weights and config.rope_scaling is None:
         config.rope_scaling = _fit_llama3_rope(weights["rope_freqs.weight"], config, path)
@@ -263,7 +272,9 @@ def _llama3_factors(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor
     wavelen = 2 * math.pi / inv
     low_wl = s.original_max_position_embeddings / s.low_freq_factor
     high_wl = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     # HF: inv/factor for wavelen > low_wl, inv for wavelen < high_wl, else (1-smooth)*inv/factor + smooth*inv.
     scaled = torch.where(wavelen > low_wl, inv / s.factor, inv)
     mid = (wavelen >= high_wl) & (wavelen <= low_wl)
@@ -279,8 +290,13 @@ def _fit_llama3_rope(freqs: Weight, config: ModelConfig, path: Path) -> RopeScal
     factor = float(f.max())
     for orig in (8192, 4096, 16384, 32768, 131072):
         for low, high in ((1.0, 4.0), (1.0, 32.0), (1.0, 2.0)):
-            s = RopeScaling(type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
-                            original_max_position_embeddings=orig)
+            s = RopeScaling(
+                type="llama3",
+                factor=factor,
+                low_freq_factor=low,
+                high_freq_factor=high,
+                original_max_position_embeddings=orig,
+            )
             if torch.allclose(_llama3_factors(config.head_dim, config.rope_theta, s), f, rtol=1e-3, atol=1e-3):
                 return s
     raise UserError(f"{path}: rope_freqs.weight does not match llama3 rope scaling; this GGUF is not supported")
@@ -305,8 +321,10 @@ class _Bounded:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
-            raise UserError(f"{self.path}: {what} needs {n} bytes at offset {self.pos} but the file has {self.size}; "
-                            "the file is truncated or damaged, re-download it")
+            raise UserError(
+                f"{self.path}: {what} needs {n} bytes at offset {self.pos} but the file has {self.size}; "
+                "the file is truncated or damaged, re-download it"
+            )
 
     def unpack(self, fmt: str, what: str):
         n = struct.calcsize("<" + fmt)
@@ -319,7 +337,7 @@ class _Bounded:
         n = self.unpack("Q", f"{what} length")
         self.need(n, what)
         self.pos += n
-        return bytes(self.buf[self.pos - n:self.pos])
+        return bytes(self.buf[self.pos - n : self.pos])
 
     def skip_value(self, vtype: int, key: str) -> None:
         if vtype in _GGUF_SCALARS:
@@ -337,11 +355,15 @@ class _Bounded:
                 for _ in range(count):
                     self.string(f"metadata {key} item")
             else:
-                raise UserError(f"{self.path}: metadata {key} is an array of type {item}, which GGUF does not "
-                                "define here; the file is damaged, re-download it")
+                raise UserError(
+                    f"{self.path}: metadata {key} is an array of type {item}, which GGUF does not "
+                    "define here; the file is damaged, re-download it"
+                )
         else:
-            raise UserError(f"{self.path}: metadata {key} has value type {vtype}, which GGUF does not define; "
-                            "the file is damaged, re-download it")
+            raise UserError(
+                f"{self.path}: metadata {key} has value type {vtype}, which GGUF does not define; "
+                "the file is damaged, re-download it"
+            )
 
 
 def check_gguf_layout(path: Path) -> None:
@@ -352,8 +374,10 @@ def check_gguf_layout(path: Path) -> None:
     with open(path, "rb") as fh:
         head = fh.read(4)
         if head != b"GGUF":
-            raise UserError(f"{path}: not a GGUF file (bad magic: the file starts with {head!r}, a GGUF with "
-                            "b'GGUF'); pass a .gguf model file")
+            raise UserError(
+                f"{path}: not a GGUF file (bad magic: the file starts with {head!r}, a GGUF with "
+                "b'GGUF'); pass a .gguf model file"
+            )
         if os.fstat(fh.fileno()).st_size < 24:
             raise UserError(f"{path}: truncated GGUF file (no room for its header); re-download it")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -361,8 +385,10 @@ def check_gguf_layout(path: Path) -> None:
             cur.pos = 4
             version = cur.unpack("I", "version")
             if version not in _GGUF_VERSIONS:
-                raise UserError(f"{path}: GGUF version {version} is not supported (only {_GGUF_VERSIONS}); convert "
-                                "the model with a current llama.cpp")
+                raise UserError(
+                    f"{path}: GGUF version {version} is not supported (only {_GGUF_VERSIONS}); convert "
+                    "the model with a current llama.cpp"
+                )
             n_tensors = cur.unpack("Q", "tensor count")
             n_kv = cur.unpack("Q", "metadata count")
             cur.need(n_kv * 12, f"{n_kv} metadata entries")
@@ -372,12 +398,16 @@ def check_gguf_layout(path: Path) -> None:
                 vtype = cur.unpack("I", f"metadata {key} type")
                 if key == "general.alignment":
                     if vtype != 4:
-                        raise UserError(f"{path}: metadata general.alignment has type {vtype}, GGUF requires uint32; "
-                                        "the file is damaged")
+                        raise UserError(
+                            f"{path}: metadata general.alignment has type {vtype}, GGUF requires uint32; "
+                            "the file is damaged"
+                        )
                     alignment = cur.unpack("I", "general.alignment")
                     if alignment == 0 or alignment & (alignment - 1):
-                        raise UserError(f"{path}: metadata general.alignment = {alignment} is not a power of two; "
-                                        "the file is damaged")
+                        raise UserError(
+                            f"{path}: metadata general.alignment = {alignment} is not a power of two; "
+                            "the file is damaged"
+                        )
                 else:
                     cur.skip_value(vtype, key)
             cur.need(n_tensors * 24, f"{n_tensors} tensor descriptions")
@@ -386,16 +416,19 @@ def check_gguf_layout(path: Path) -> None:
                 name = cur.string("tensor name").decode("utf-8", errors="replace")
                 n_dims = cur.unpack("I", f"tensor {name} dimension count")
                 if not 1 <= n_dims <= _GGUF_MAX_DIMS:
-                    raise UserError(f"{path}: tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
-                                    f"{_GGUF_MAX_DIMS}); the file is damaged")
+                    raise UserError(
+                        f"{path}: tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
+                        f"{_GGUF_MAX_DIMS}); the file is damaged"
+                    )
                 dims = [cur.unpack("Q", f"tensor {name} shape") for _ in range(n_dims)]
                 ttype = cur.unpack("I", f"tensor {name} type")
                 offset = cur.unpack("Q", f"tensor {name} offset")
                 tensors.append((name, dims, ttype, offset))
             data_start = -(-cur.pos // alignment) * alignment
     for name, dims, ttype, offset in tensors:
-        _check_gguf_tensor(path, name, dims, ttype, offset, alignment, data_start, cur.size,
-                           GGML_QUANT_SIZES, GGMLQuantizationType)
+        _check_gguf_tensor(
+            path, name, dims, ttype, offset, alignment, data_start, cur.size, GGML_QUANT_SIZES, GGMLQuantizationType
+        )
 
 
 def _check_gguf_tensor(path, name, dims, ttype, offset, alignment, data_start, size, quant_sizes, qtypes) -> None:
@@ -403,15 +436,23 @@ def _check_gguf_tensor(path, name, dims, ttype, offset, alignment, data_start, s
         qtype = qtypes(ttype)
         block, block_bytes = quant_sizes[qtype]
     except (ValueError, KeyError):
-        raise UserError(f"{path}: tensor {name} has type {ttype}, which this gguf library does not know; use a "
-                        "GGUF with standard tensor types") from None
+        raise UserError(
+            f"{path}: tensor {name} has type {ttype}, which this gguf library does not know; use a "
+            "GGUF with standard tensor types"
+        ) from None
     if min(dims) == 0 or dims[0] % block:
-        raise UserError(f"{path}: tensor {name} has shape {dims}, not a whole number of {qtype.name} blocks of "
-                        f"{block}; the file is damaged")
+        raise UserError(
+            f"{path}: tensor {name} has shape {dims}, not a whole number of {qtype.name} blocks of "
+            f"{block}; the file is damaged"
+        )
     n_bytes = math.prod(dims) // block * block_bytes
     if offset % alignment:
-        raise UserError(f"{path}: tensor {name} offset {offset} is not a multiple of the alignment {alignment}; "
-                        "the file is damaged, re-download it")
+        raise UserError(
+            f"{path}: tensor {name} offset {offset} is not a multiple of the alignment {alignment}; "
+            "the file is damaged, re-download it"
+        )
     if data_start + offset + n_bytes > size:
-        raise UserError(f"{path}: tensor {name} (offset {offset}, {n_bytes} bytes) extends past the end of the "
-                        f"file ({size} bytes); the file is truncated, re-download it")
+        raise UserError(
+            f"{path}: tensor {name} (offset {offset}, {n_bytes} bytes) extends past the end of the "
+            f"file ({size} bytes); the file is truncated, re-download it"
+        )

@@ -51,8 +51,9 @@ def resolve_hf_id(repo_id: str) -> Path:
 
 def load_hf_folder(path: Path) -> LoadedModel:
     config, raw = _config_from_hf(path / "config.json")
-    weights = _fp8_checkpoint_weights(_load_safetensors_weights(path), raw.get("quantization_config"),
-                                      path / "config.json")
+    weights = _fp8_checkpoint_weights(
+        _load_safetensors_weights(path), raw.get("quantization_config"), path / "config.json"
+    )
     tokenizer = Tokenizer.from_hf_folder(path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = tokenizer.bos_token_id
@@ -119,9 +120,7 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
         arch = raw["model_type"]
     if arch is None:
         named = ", ".join(map(str, archs)) or f"model_type {raw.get('model_type')!r}"
-        raise UserError(
-            f"{path}: architecture {named} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
-        )
+        raise UserError(f"{path}: architecture {named} is not supported; supported: {', '.join(HF_ARCHITECTURES)}")
     _refuse_what_the_model_would_ignore(raw, arch, path)
 
     data: dict[str, Any] = {"architecture": arch}
@@ -141,11 +140,15 @@ def _config_from_hf(path: Path) -> tuple[ModelConfig, dict]:
     eos = data.get("eos_token_ids")
     if isinstance(eos, int):
         data["eos_token_ids"] = [eos]
-    if (raw.get("use_sliding_window") and type(raw.get("sliding_window")) is int
-            and type(data.get("max_position_embeddings", 0)) is int):
+    if (
+        raw.get("use_sliding_window")
+        and type(raw.get("sliding_window")) is int
+        and type(data.get("max_position_embeddings", 0)) is int
+    ):
         # Windowed layers attend to the last sliding_window keys only; up to that many tokens that is full attention.
-        data["max_position_embeddings"] = min(data.get("max_position_embeddings", raw["sliding_window"]),
-                                              raw["sliding_window"])
+        data["max_position_embeddings"] = min(
+            data.get("max_position_embeddings", raw["sliding_window"]), raw["sliding_window"]
+        )
     data["qkv_bias"] = arch == "qwen2"
     data["qk_norm"] = arch == "qwen3"
     data.setdefault("tie_word_embeddings", False)
@@ -167,8 +170,10 @@ def _refuse_what_the_model_would_ignore(raw: dict, arch: str, path: Path) -> Non
     without biases, and attention biases on q/k/v for Qwen2 only): refused rather than run wrongly."""
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise UserError(f"{path}: hidden_act {act!r} is not supported (these architectures run silu); use a Llama, "
-                        "Qwen2 or Qwen3 checkpoint as published")
+        raise UserError(
+            f"{path}: hidden_act {act!r} is not supported (these architectures run silu); use a Llama, "
+            "Qwen2 or Qwen3 checkpoint as published"
+        )
     for field in ("mlp_bias",) if arch == "qwen2" else ("mlp_bias", "attention_bias"):
         if raw.get(field):
             raise UserError(f"{path}: {field} {raw[field]!r} is not supported; use a checkpoint without it")
@@ -183,9 +188,7 @@ def _rope_scaling_from_hf(scaling: Any, path: Path) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind not in ("linear", "llama3"):
-        raise UserError(
-            f"{path}: rope_scaling type '{kind}' is not supported; supported: default, linear, llama3"
-        )
+        raise UserError(f"{path}: rope_scaling type '{kind}' is not supported; supported: default, linear, llama3")
     fields = {k: scaling[k] for k in RopeScaling.model_fields if k != "type" and scaling.get(k) is not None}
     try:
         return RopeScaling(type=kind, **fields)
@@ -248,8 +251,10 @@ def _safetensors_files(folder: Path) -> list[Path]:
         for shard in dict.fromkeys(map(str, wmap.values())):
             p = folder / shard
             if Path(shard).name != shard:
-                raise UserError(f"{index}: shard {shown(shard)} is not a file name in the model folder; re-download "
-                                "the model's index file")
+                raise UserError(
+                    f"{index}: shard {shown(shard)} is not a file name in the model folder; re-download "
+                    "the model's index file"
+                )
             if not p.is_file():
                 raise UserError(f"{p}: shard listed in {index.name} is missing; re-download the model")
             files.append(p)
@@ -271,7 +276,7 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
         _check_safetensors_file(file)
         try:
             with safe_open(str(file), framework="pt") as fh:
-                for name in fh.keys():
+                for name in fh.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     weights[name] = fh.get_tensor(name)
         except UserError:
             raise
@@ -284,8 +289,10 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
 # Scales an fp8 checkpoint may carry besides its weights' (static activation and KV-cache scales): the engine scales
 # activations per token as it runs and keeps its KV cache in its own dtype, so they are not needed.
 _FP8_STATIC_SCALES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
-_UNSUPPORTED_QUANT = ("use the unquantized checkpoint (--precision int4 or fp8-e4m3 quantizes it at load), a GGUF "
-                      "Q4_0 / Q4_1 file or an fp8 checkpoint")
+_UNSUPPORTED_QUANT = (
+    "use the unquantized checkpoint (--precision int4 or fp8-e4m3 quantizes it at load), a GGUF "
+    "Q4_0 / Q4_1 file or an fp8 checkpoint"
+)
 
 
 def _fp8_checkpoint_weights(weights: dict[str, Weight], quant: Any, config_path: Path) -> dict[str, Weight]:
@@ -315,11 +322,14 @@ def _fp8_block(quant: Any, config_path: Path) -> tuple[int, int] | None:
         block = quant.get("weight_block_size")
         return None if block is None else _block_size(block, "weight_block_size", config_path)
     if method != "compressed-tensors":
-        raise UserError(f"{config_path}: quantization_config.quant_method {method!r} is not supported; "
-                        f"{_UNSUPPORTED_QUANT}")
+        raise UserError(
+            f"{config_path}: quantization_config.quant_method {method!r} is not supported; {_UNSUPPORTED_QUANT}"
+        )
     if quant.get("format") != "float-quantized":
-        raise UserError(f"{config_path}: quantization_config.format {quant.get('format')!r} is not supported (only "
-                        f"'float-quantized': fp8 weights); {_UNSUPPORTED_QUANT}")
+        raise UserError(
+            f"{config_path}: quantization_config.format {quant.get('format')!r} is not supported (only "
+            f"'float-quantized': fp8 weights); {_UNSUPPORTED_QUANT}"
+        )
     blocks = set()
     groups = quant.get("config_groups") if isinstance(quant.get("config_groups"), dict) else {}
     for group, args in groups.items():
@@ -330,11 +340,15 @@ def _fp8_block(quant: Any, config_path: Path) -> tuple[int, int] | None:
         if w.get("strategy") == "block":
             blocks.add(_block_size(w.get("block_structure"), f"{field}.block_structure", config_path))
         elif w.get("strategy") not in ("tensor", "channel"):
-            raise UserError(f"{config_path}: {field}.strategy {w.get('strategy')!r} is not supported (tensor, "
-                            f"channel or block); {_UNSUPPORTED_QUANT}")
+            raise UserError(
+                f"{config_path}: {field}.strategy {w.get('strategy')!r} is not supported (tensor, "
+                f"channel or block); {_UNSUPPORTED_QUANT}"
+            )
     if len(blocks) > 1:
-        raise UserError(f"{config_path}: quantization_config.config_groups use blocks {sorted(blocks)}; one block "
-                        "size for all weights is supported")
+        raise UserError(
+            f"{config_path}: quantization_config.config_groups use blocks {sorted(blocks)}; one block "
+            "size for all weights is supported"
+        )
     return blocks.pop() if blocks else None
 
 
@@ -346,26 +360,35 @@ def _block_size(block: Any, field: str, config_path: Path) -> tuple[int, int]:
     except (TypeError, ValueError, OverflowError):
         rows = cols = 0
     if rows <= 0 or cols <= 0:
-        raise UserError(f"{config_path}: quantization_config {field} is {block!r}; set it to the checkpoint's "
-                        "block, e.g. [128, 128]")
+        raise UserError(
+            f"{config_path}: quantization_config {field} is {block!r}; set it to the checkpoint's "
+            "block, e.g. [128, 128]"
+        )
     return rows, cols
 
 
-def _fp8_checkpoint_weight(name: str, data: torch.Tensor, weights: dict, block: tuple[int, int] | None,
-                           config_path: Path) -> Weight:
+def _fp8_checkpoint_weight(
+    name: str, data: torch.Tensor, weights: dict, block: tuple[int, int] | None, config_path: Path
+) -> Weight:
     scale_name = name + "_scale_inv" if name + "_scale_inv" in weights else name + "_scale"
     if scale_name not in weights:
-        raise UserError(f"{config_path.parent}: {name} is float8 but the checkpoint has no {name}_scale or "
-                        f"{name}_scale_inv; it is incomplete, re-download it")
+        raise UserError(
+            f"{config_path.parent}: {name} is float8 but the checkpoint has no {name}_scale or "
+            f"{name}_scale_inv; it is incomplete, re-download it"
+        )
     multipliers = weights[scale_name]
     if block is not None or scale_name.endswith("_inv"):
         if block is None:
-            raise UserError(f"{config_path}: {scale_name} holds block scales but quantization_config has no "
-                            "weight_block_size; set it to the checkpoint's block, e.g. [128, 128]")
+            raise UserError(
+                f"{config_path}: {scale_name} holds block scales but quantization_config has no "
+                "weight_block_size; set it to the checkpoint's block, e.g. [128, 128]"
+            )
         return fp8_block_weight(data, multipliers, block, f"{config_path.parent}: {scale_name}")
     rows = data.shape[0]
     if multipliers.numel() not in (1, rows):
-        raise UserError(f"{config_path.parent}: {scale_name} has {multipliers.numel()} values, a float8 weight of "
-                        f"{rows} rows needs 1 or {rows}; re-download the model")
+        raise UserError(
+            f"{config_path.parent}: {scale_name} has {multipliers.numel()} values, a float8 weight of "
+            f"{rows} rows needs 1 or {rows}; re-download the model"
+        )
     # One scale a row even where the checkpoint has one a tensor: the fused and skinny fp8 kernels take rows.
     return Fp8Weight(data, multipliers.float().reshape(-1, 1).expand(rows, 1).contiguous())

@@ -137,8 +137,9 @@ class _WeightTaker:
         return merged.to(self.device)
 
 
-def weight_bytes(config: ModelConfig, weights: dict[str, Weight], precision: Precision,
-                 dense_dtype: torch.dtype) -> int:
+def weight_bytes(
+    config: ModelConfig, weights: dict[str, Weight], precision: Precision, dense_dtype: torch.dtype
+) -> int:
     """At least the device bytes of the weights DecoderModel keeps: projections in `precision`, the rest (norms,
     embeddings, an LM head) in dense_dtype."""
     total = 0
@@ -162,15 +163,17 @@ def rope_cache(config: ModelConfig, device) -> torch.Tensor:
     of positions at a time, so building the table takes little more memory than the table."""
     positions, dim = config.max_position_embeddings, config.head_dim
     if positions * dim > ROPE_MAX_VALUES:
-        raise UserError(f"the model's context length {positions} needs a rope table of "
-                        f"{positions * dim * 4 / 2**30:.1f} GiB; pass --max-model-len (at most "
-                        f"{ROPE_MAX_VALUES // dim}) to run it with a shorter context")
+        raise UserError(
+            f"the model's context length {positions} needs a rope table of "
+            f"{positions * dim * 4 / 2**30:.1f} GiB; pass --max-model-len (at most "
+            f"{ROPE_MAX_VALUES // dim}) to run it with a shorter context"
+        )
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
     table = torch.empty(positions, dim, dtype=torch.float32)
     for start in range(0, positions, _ROPE_CHUNK):
         angles = torch.outer(torch.arange(start, min(start + _ROPE_CHUNK, positions), dtype=torch.float64), inv_freq)
-        table[start:start + len(angles)] = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        table[start : start + len(angles)] = torch.cat((angles.cos(), angles.sin()), dim=-1)
     return table.to(device)
 
 

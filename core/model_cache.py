@@ -56,8 +56,12 @@ def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) 
     save_file(tensors, str(tmp / "weights.safetensors"), metadata=groups)
     (tmp / "config.json").write_text(config.model_dump_json())
     (tmp / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    meta = {"bos_token_id": tokenizer.bos_token_id, "eos_token_ids": tokenizer.eos_token_ids,
-            "add_bos": tokenizer.add_bos, "chat_template": tokenizer.chat_template}
+    meta = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_ids": tokenizer.eos_token_ids,
+        "add_bos": tokenizer.add_bos,
+        "chat_template": tokenizer.chat_template,
+    }
     (tmp / "tokenizer_meta.json").write_text(json.dumps(meta))
     try:
         tmp.rename(entry)
@@ -89,7 +93,7 @@ def discard(entry: Path, reason: str) -> None:
 def _read(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer]:
     with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
         groups = f.metadata() or {}
-        flat = {name: f.get_tensor(name) for name in f.keys()}
+        flat = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
     weights: dict = {}
     for name, tensor in flat.items():
         if "#int4." not in name:

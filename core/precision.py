@@ -58,7 +58,9 @@ _GGUF_HEADER_BYTES = {"Q4_0": 2, "Q4_1": 4}
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [..., K] -> [..., K//2]; element 2i goes to the low nibble, 2i+1 to the high nibble."""
     if q.dtype != torch.uint8:
-        raise UserError(f"pack_int4: expected a uint8 tensor of values 0..15, got {q.dtype}; cast with .to(torch.uint8)")
+        raise UserError(
+            f"pack_int4: expected a uint8 tensor of values 0..15, got {q.dtype}; cast with .to(torch.uint8)"
+        )
     if q.shape[-1] % 2:
         raise UserError(f"pack_int4: last dimension {q.shape[-1]} is odd; int4 packing needs an even number of columns")
     if q.numel() and int(q.max()) > 15:
@@ -85,7 +87,9 @@ class Int4Weight:
     def __post_init__(self) -> None:
         # Catch layout mistakes at construction, where the caller still knows which tensor it was building.
         if self.packed.dtype != torch.uint8 or self.packed.dim() != 2:
-            raise UserError(f"Int4Weight.packed must be a 2-D uint8 tensor, got {self.packed.dtype} {tuple(self.packed.shape)}")
+            raise UserError(
+                f"Int4Weight.packed must be a 2-D uint8 tensor, got {self.packed.dtype} {tuple(self.packed.shape)}"
+            )
         n, k = self.shape
         if self.group_size <= 0 or k % self.group_size:
             raise UserError(f"Int4Weight: group_size {self.group_size} does not divide K={k}")
@@ -93,7 +97,10 @@ class Int4Weight:
         for field in ("scales", "offsets"):
             t = getattr(self, field)
             if tuple(t.shape) != groups:
-                raise UserError(f"Int4Weight.{field} has shape {tuple(t.shape)}, expected {groups} for K={k}, group_size={self.group_size}")
+                raise UserError(
+                    f"Int4Weight.{field} has shape {tuple(t.shape)}, expected {groups} for K={k}, "
+                    f"group_size={self.group_size}"
+                )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -174,7 +181,8 @@ def int4_from_gguf(raw: np.ndarray | torch.Tensor, ggml_type: str, shape: tuple[
     expected = n * (k // _GGUF_BLOCK) * block_bytes
     if data.numel() != expected:
         raise UserError(
-            f"int4_from_gguf: {data.numel()} bytes do not match {ggml_type} shape {tuple(shape)} ({expected} bytes expected); "
+            f"int4_from_gguf: {data.numel()} bytes do not match {ggml_type} shape {tuple(shape)} "
+            f"({expected} bytes expected); "
             f"pass shape as (rows, cols) of the stored tensor"
         )
     blocks = data.view(n, k // _GGUF_BLOCK, block_bytes)
@@ -206,7 +214,9 @@ class Fp8Weight:
 
     def __post_init__(self) -> None:
         if self.data.dtype not in _FP8_NAME or self.data.dim() != 2:
-            raise UserError(f"Fp8Weight.data must be a 2-D float8 tensor, got {self.data.dtype} {tuple(self.data.shape)}")
+            raise UserError(
+                f"Fp8Weight.data must be a 2-D float8 tensor, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
         if tuple(self.scale.shape) not in self._scale_shapes():
             want = " or ".join(str(s) for s in self._scale_shapes())
             raise UserError(f"Fp8Weight.scale has shape {tuple(self.scale.shape)}; expected {want}")
@@ -250,8 +260,10 @@ class Fp8Weight:
 
     def select_rows(self, index: torch.Tensor) -> Fp8Weight:
         if self.block is not None:
-            raise UserError("Fp8Weight.select_rows: rows of a block-scaled weight do not keep their blocks; "
-                            "quantize it per row first (get_precision('fp8-e4m3').quantize)")
+            raise UserError(
+                "Fp8Weight.select_rows: rows of a block-scaled weight do not keep their blocks; "
+                "quantize it per row first (get_precision('fp8-e4m3').quantize)"
+            )
         index = index.to(self.data.device)
         # Index through a uint8 view: not every device implements gather for float8 dtypes.
         data = self.data.view(torch.uint8)[index].view(self.data.dtype)
@@ -272,13 +284,16 @@ def _storage(fmt: str, dtype: torch.dtype | None) -> torch.dtype:
     """The fp8 dtype storing precision `fmt`: its OCP default, or a format of FP8_FORMATS for that precision."""
     dtype = dtype or FP8_DTYPES[fmt]
     if dtype not in FP8_FORMATS or FP8_FORMATS[dtype].precision != fmt:
-        raise UserError(f"{dtype} cannot store {fmt}; use one of "
-                        f"{', '.join(f.name for f in FP8_FORMATS.values() if f.precision == fmt)}")
+        raise UserError(
+            f"{dtype} cannot store {fmt}; use one of "
+            f"{', '.join(f.name for f in FP8_FORMATS.values() if f.precision == fmt)}"
+        )
     return dtype
 
 
-def _fp8_cast(x: torch.Tensor, amax: torch.Tensor, fmt: str,
-              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_cast(
+    x: torch.Tensor, amax: torch.Tensor, fmt: str, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale so amax lands on the format maximum, then saturate, so finite input never becomes inf/NaN (in the
     FNUZ formats an out-of-range cast would give NaN, having no inf)."""
     dtype = _storage(fmt, dtype)
@@ -297,8 +312,9 @@ def _finite_amax(x: torch.Tensor, dim=None) -> torch.Tensor:
     return a.amax(dim=dim, keepdim=True) if dim is not None else a.amax().reshape(1, 1)
 
 
-def fp8_quantize(w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = True,
-                 dtype: torch.dtype | None = None) -> Fp8Weight:
+def fp8_quantize(
+    w: torch.Tensor, fmt: str = "fp8-e4m3", per_channel: bool = True, dtype: torch.dtype | None = None
+) -> Fp8Weight:
     """dtype: the storage (FP8_FORMATS) when not the precision's OCP default."""
     fmt = _fp8_format(fmt)
     if w.dim() != 2:
@@ -315,8 +331,9 @@ def block_multipliers(multipliers: torch.Tensor, block: tuple[int, int], shape: 
     return multipliers.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
 
 
-def fp8_block_weight(data: torch.Tensor, multipliers: torch.Tensor, block: tuple[int, int],
-                     name: str = "weight_scale") -> Fp8Weight:
+def fp8_block_weight(
+    data: torch.Tensor, multipliers: torch.Tensor, block: tuple[int, int], name: str = "weight_scale"
+) -> Fp8Weight:
     """A float8 [N, K] weight stored with one multiplier per block of block = (rows, columns), as DeepSeek-V3's
     and Qwen3's fp8 checkpoints store them (`weight_scale_inv`, [ceil(N / rows), ceil(K / columns)]); name: the
     multipliers' tensor, for errors."""
@@ -324,14 +341,17 @@ def fp8_block_weight(data: torch.Tensor, multipliers: torch.Tensor, block: tuple
     rows, cols = block
     want = (-(-n // rows), -(-k // cols))
     if tuple(multipliers.shape) != want:
-        raise UserError(f"{name} has shape {list(multipliers.shape)} but a {[n, k]} weight in blocks of {rows} x "
-                        f"{cols} needs {list(want)}; config.json's block size does not match the checkpoint, fix it "
-                        "or re-download the model")
+        raise UserError(
+            f"{name} has shape {list(multipliers.shape)} but a {[n, k]} weight in blocks of {rows} x "
+            f"{cols} needs {list(want)}; config.json's block size does not match the checkpoint, fix it "
+            "or re-download the model"
+        )
     return Fp8Weight(data, multipliers.float(), block)
 
 
-def fp8_quantize_per_token(x: torch.Tensor, fmt: str = "fp8-e4m3",
-                           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_per_token(
+    x: torch.Tensor, fmt: str = "fp8-e4m3", dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: one scale per row (token). Returns (fp8 [..., K], float32 scale [..., 1])."""
     fmt = _fp8_format(fmt)
     x = x.float()
@@ -350,7 +370,9 @@ def concat_rows(weights: list[Weight]) -> Weight:
         raise UserError("concat_rows: got no weights to concatenate")
     kinds = {type(w) for w in weights}
     if len(kinds) != 1:
-        raise UserError(f"concat_rows: cannot mix weight types {sorted(k.__name__ for k in kinds)}; quantize them alike first")
+        raise UserError(
+            f"concat_rows: cannot mix weight types {sorted(k.__name__ for k in kinds)}; quantize them alike first"
+        )
     ks = {w.shape[1] for w in weights}
     if len(ks) != 1:
         raise UserError(f"concat_rows: weights have different input sizes K={sorted(ks)}; only same-K weights fuse")
@@ -390,8 +412,12 @@ def validate_weight(name: str, w: Weight, fmt: str | None = None) -> None:
             raise UserError(f"weight {name!r} is stored as {wfmt} but precision {fmt} was asked for; requantize it")
         fmax = w.format.max
         data = w.data.float()
-        _report_bad(name, ~torch.isfinite(data) | (data.abs() > fmax),
-                    f"{w.format.name} values are inf/NaN or outside ±{fmax:g}", fix)
+        _report_bad(
+            name,
+            ~torch.isfinite(data) | (data.abs() > fmax),
+            f"{w.format.name} values are inf/NaN or outside ±{fmax:g}",
+            fix,
+        )
         s = w.scale.float()
         _report_bad(name, ~torch.isfinite(s) | (s <= 0), "fp8 scales are not finite and positive", fix)
     elif isinstance(w, Int4Weight):
@@ -403,9 +429,16 @@ def validate_weight(name: str, w: Weight, fmt: str | None = None) -> None:
         if fmt in FP8_MAX:
             # A dense tensor meant to be cast to fp8 unscaled must already fit the format.
             fmax = FP8_MAX[fmt]
-            _report_bad(name, x.abs() > fmax, f"values are outside the {fmt} range ±{fmax:g}", "quantize it with a scale (fp8_quantize)")
+            _report_bad(
+                name,
+                x.abs() > fmax,
+                f"values are outside the {fmt} range ±{fmax:g}",
+                "quantize it with a scale (fp8_quantize)",
+            )
     else:
-        raise UserError(f"weight {name!r} has unsupported type {type(w).__name__}; expected a tensor, Int4Weight or Fp8Weight")
+        raise UserError(
+            f"weight {name!r} has unsupported type {type(w).__name__}; expected a tensor, Int4Weight or Fp8Weight"
+        )
 
 
 def _dequantize(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -441,7 +474,7 @@ class Precision:
             return fp8_quantize(_dequantize(w, torch.float32), fmt=self.name, dtype=self.storage_dtype)
         return _dequantize(w, self.storage_dtype)
 
-    def stored_as(self, dtype: torch.dtype) -> "Precision":
+    def stored_as(self, dtype: torch.dtype) -> Precision:
         """This fp8 precision kept in another format of FP8_FORMATS (a backend's choice: FNUZ on AMD gfx942)."""
         if self.name not in FP8_MAX:
             raise UserError(f"precision {self.name} has one storage format; only fp8 precisions take another")
@@ -451,7 +484,7 @@ class Precision:
         return _dequantize(w, dtype)
 
     @property
-    def head(self) -> "Precision":
+    def head(self) -> Precision:
         """The precision of a quantized LM head (Profile.quantize_lm_head): the weights' own, but fp8-e4m3 for 4-bit
         weights. A head's rounding reaches every logit: on SmolLM2, Hamlet perplexity 25.86 with int4 weights, 29.81
         with an int4 head too (benchmarks/bench_lm_head_quality.py); llama.cpp keeps a 4-bit model's output tensor

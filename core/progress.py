@@ -34,8 +34,11 @@ def stage(description: str, total: int | None = None):
         last["note"] = note
         last["done"] += 1
         if total is not None:
-            print(f"{description} {last['done']}/{total}: {note} ({time.perf_counter() - start:.1f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{description} {last['done']}/{total}: {note} ({time.perf_counter() - start:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     yield advance
     if total is None:
@@ -50,8 +53,13 @@ def _rich_task(description: str, total: int | None):
 
     outer = _state["progress"] is None
     if outer:
-        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[done]}"),
-                   TimeElapsedColumn()]
+        columns = [
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[done]}"),
+            TimeElapsedColumn(),
+        ]
         _state["progress"] = Progress(*columns, console=Console(stderr=True), transient=True)
         _state["progress"].start()
     progress = _state["progress"]
@@ -60,8 +68,12 @@ def _rich_task(description: str, total: int | None):
 
     def advance(note: str = "") -> None:
         finished[0] += 1
-        progress.update(task, advance=1, description=f"{description}: {note}" if note else description,
-                        done=f"{finished[0]}/{total}" if total else "")
+        progress.update(
+            task,
+            advance=1,
+            description=f"{description}: {note}" if note else description,
+            done=f"{finished[0]}/{total}" if total else "",
+        )
 
     try:
         yield advance

@@ -41,8 +41,14 @@ UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 *
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -114,8 +120,11 @@ UNSUPPORTED = {
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) past `limit` bytes whether or not Content-Length says so; 408 when it stalls."""
-    too_large = ApiError(413, f"the request body is larger than {limit} bytes (the server's --max-body-mib);"
-                              " send a smaller request", code="request_too_large")
+    too_large = ApiError(
+        413,
+        f"the request body is larger than {limit} bytes (the server's --max-body-mib); send a smaller request",
+        code="request_too_large",
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -126,8 +135,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
         except StopAsyncIteration:
             return b"".join(chunks)
         except TimeoutError:
-            raise ApiError(408, f"the request body stopped arriving for {BODY_READ_TIMEOUT_S:.0f} s",
-                           code="request_timeout") from None
+            raise ApiError(
+                408, f"the request body stopped arriving for {BODY_READ_TIMEOUT_S:.0f} s", code="request_timeout"
+            ) from None
         size += len(chunk)
         if size > limit:
             raise too_large
@@ -150,11 +160,15 @@ def _decode(raw: bytes, model: type[BaseModel]):
         raise ApiError(400, "the request body must be a JSON object")
     for name, allowed in UNSUPPORTED.items():
         if name in body and body[name] not in allowed:
-            raise ApiError(400, f"'{name}' is not supported by this server; leave it out", param=name,
-                           code="unsupported_parameter")
+            raise ApiError(
+                400, f"'{name}' is not supported by this server; leave it out", param=name, code="unsupported_parameter"
+            )
     if bad := _lone_surrogate(body):
-        raise ApiError(400, f"{bad}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape);"
-                            " send valid Unicode", param=bad)
+        raise ApiError(
+            400,
+            f"{bad}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); send valid Unicode",
+            param=bad,
+        )
     try:
         return model.model_validate(body)
     except RecursionError:
@@ -222,13 +236,16 @@ class Server:
             return
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise ApiError(404, f"model {_short(name)} is not served here; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {_short(name)} is not served here; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def request_profile(self, request: Request) -> bool:
         """True when the request asks for the basic profile (no chunked prefill, no speculative decoding)."""
@@ -240,8 +257,9 @@ class Server:
     def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ApiError(400, f"one prompt per request (got {len(prompt)}); send several requests",
-                               param="prompt")
+                raise ApiError(
+                    400, f"one prompt per request (got {len(prompt)}); send several requests", param="prompt"
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -265,26 +283,39 @@ class Server:
         """Room to generate, and every id in the model's vocabulary (a tokenizer may know more ids than the model)."""
         limit = self.engine.max_model_len
         if len(ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten it",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens but the context holds {limit}; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the model's vocabulary [0, {self.vocab_size})",
-                           param=param)
+            raise ApiError(
+                400, f"prompt token id {bad} is outside the model's vocabulary [0, {self.vocab_size})", param=param
+            )
 
     def check_limits(self, req: "_Sampling", max_tokens: int | None, max_tokens_field: str) -> None:
         """Bounds that depend on the model: the engine never sees a value it cannot hold."""
         limit = self.engine.max_model_len
         if max_tokens is not None and max_tokens > limit:
-            raise ApiError(400, f"{max_tokens_field} is {max_tokens} but the context holds {limit} tokens; ask for"
-                                f" fewer", param=max_tokens_field)
+            raise ApiError(
+                400,
+                f"{max_tokens_field} is {max_tokens} but the context holds {limit} tokens; ask for fewer",
+                param=max_tokens_field,
+            )
         if req.top_k is not None and req.top_k > self.vocab_size:
-            raise ApiError(400, f"top_k is {req.top_k} but the vocabulary has {self.vocab_size} tokens; give at most"
-                                f" {self.vocab_size} (0 turns top-k off)", param="top_k")
+            raise ApiError(
+                400,
+                f"top_k is {req.top_k} but the vocabulary has {self.vocab_size} tokens; give at most"
+                f" {self.vocab_size} (0 turns top-k off)",
+                param="top_k",
+            )
         bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param="stop_token_ids")
+            raise ApiError(
+                400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
+            )
 
     def sampling(self, req: _Sampling, max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -300,8 +331,9 @@ class Server:
     def submit(self, request: Request, ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         basic = self.request_profile(request)
         try:
-            return self.async_engine.submit(ids, params, request_id, chunked_prefill=False if basic else None,
-                                            spec=not basic)
+            return self.async_engine.submit(
+                ids, params, request_id, chunked_prefill=False if basic else None, spec=not basic
+            )
         except Overloaded as exc:
             raise ApiError(429, str(exc), code="queue_full", kind="server_overloaded") from None
         except NotReady as exc:
@@ -367,8 +399,13 @@ class Server:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "flashnext",
-                "max_model_len": self.engine.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "flashnext",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     def health(self) -> JSONResponse:
         profile, blocks, scheduler = self.engine.profile, self.engine.blocks, self.engine.scheduler
@@ -386,8 +423,11 @@ class Server:
                 "spec_decode": profile.spec != "none",
                 "prefix_caching": profile.prefix_caching,
             },
-            "kv_cache": {"blocks_total": blocks.num_blocks, "blocks_free": blocks.num_free,
-                         "block_size": blocks.block_size},
+            "kv_cache": {
+                "blocks_total": blocks.num_blocks,
+                "blocks_free": blocks.num_free,
+                "block_size": blocks.block_size,
+            },
             "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting)},
             "device": self.engine.backend.device_telemetry(),
         }
@@ -430,8 +470,11 @@ class Generation:
 
     def usage(self) -> dict:
         prompt = len(self.stream.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+        }
 
 
 def _overlap(text: str, stop: str) -> int:
@@ -447,8 +490,9 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     if any(not s for s in stops):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each",
-                       param="stop")
+        raise ApiError(
+            400, f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each", param="stop"
+        )
     return stops
 
 
@@ -483,8 +527,9 @@ def _engine_error(exc: Exception) -> ApiError:
         return ApiError(500, str(exc), code="engine_error", kind="server_error")
     if isinstance(exc, FlashnextError):
         return ApiError(503, str(exc), kind="server_unavailable")
-    return ApiError(500, f"internal error ({type(exc).__name__}); see the server log", code="internal_error",
-                    kind="server_error")
+    return ApiError(
+        500, f"internal error ({type(exc).__name__}); see the server log", code="internal_error", kind="server_error"
+    )
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

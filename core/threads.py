@@ -6,6 +6,7 @@ cores keeps its speed (docs/cli.md has the numbers). The auto choice therefore l
 were using at start-up, and never exceeds what this process was given (OMP_NUM_THREADS, torch.set_num_threads).
 """
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -45,12 +46,16 @@ def choose_threads(requested: int | None, busy: float | None = None) -> ThreadCh
 
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     if requested is not None:
-        return ThreadChoice(requested, f"{threads_text(requested)} as set (--threads / FLASHNEXT_THREADS); "
-                                       f"{cores} physical cores")
+        return ThreadChoice(
+            requested, f"{threads_text(requested)} as set (--threads / FLASHNEXT_THREADS); {cores} physical cores"
+        )
     busy = busy_at_start_up() if busy is None else busy
     threads = max(1, min(torch.get_num_threads(), round(cores - busy)))
-    return ThreadChoice(threads, f"{threads_text(threads)}: {cores} physical cores, {busy:.1f} busy with other "
-                                 "processes at start-up (--threads N to override)")
+    return ThreadChoice(
+        threads,
+        f"{threads_text(threads)}: {cores} physical cores, {busy:.1f} busy with other "
+        "processes at start-up (--threads N to override)",
+    )
 
 
 def apply_threads(choice: ThreadChoice) -> None:
@@ -58,10 +63,8 @@ def apply_threads(choice: ThreadChoice) -> None:
     import torch
 
     torch.set_num_threads(choice.threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # torch refuses once inter-op work has run in this process
         torch.set_num_interop_threads(choice.threads)
-    except RuntimeError:  # torch refuses once inter-op work has run in this process
-        pass
 
 
 def from_setting(flag: int | None) -> ThreadChoice:

@@ -62,9 +62,7 @@ def _byte_level_pre_tokenizer(pre: str | None, source: str) -> pre_tokenizers.Pr
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
         return pre_tokenizers.Sequence(steps)
     supported = sorted(set(_SPLITS) | _GPT2_REGEX_PRES)
-    raise UserError(
-        f"{source}: tokenizer.ggml.pre '{pre}' is not supported; supported: {', '.join(supported)}"
-    )
+    raise UserError(f"{source}: tokenizer.ggml.pre '{pre}' is not supported; supported: {', '.join(supported)}")
 
 
 class IncrementalDecoder:
@@ -126,8 +124,10 @@ class Tokenizer:
         self._special = special_tokens or {}
         self._template_cache = None
         if bos_token_id is not None and backend.id_to_token(bos_token_id) is None:
-            raise UserError(f"{source}: bos_token_id {bos_token_id} is not a token of the tokenizer (0 to "
-                            f"{self.vocab_size - 1}); fix the model's config")
+            raise UserError(
+                f"{source}: bos_token_id {bos_token_id} is not a token of the tokenizer (0 to "
+                f"{self.vocab_size - 1}); fix the model's config"
+            )
         if add_bos and bos_token_id is not None and not self._post_processor_adds_bos():
             bos = backend.id_to_token(bos_token_id)
             backend.post_processor = processors.TemplateProcessing(
@@ -164,17 +164,21 @@ class Tokenizer:
         return self._tk
 
     # -- chat ----------------------------------------------------------------------------------------------
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         if not self.chat_template:
             raise UserError(
                 f"{self.source}: the model has no chat template; run without --chat or use a model that has one"
             )
         if self._template_cache is None:
             self._template_cache = chat_template.compile_template(self.chat_template, self.source)
-        return chat_template.render(self._template_cache, self.source, messages=messages,
-                                    add_generation_prompt=add_generation_prompt, **self._special, **extra)
+        return chat_template.render(
+            self._template_cache,
+            self.source,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self._special,
+            **extra,
+        )
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -187,7 +191,9 @@ class Tokenizer:
         try:
             backend = _HFTokenizer.from_file(str(tj))
         except Exception as exc:
-            raise UserError(f"{tj}: not a valid tokenizer.json ({str(exc).splitlines()[0][:200]}); re-download it") from None
+            raise UserError(
+                f"{tj}: not a valid tokenizer.json ({str(exc).splitlines()[0][:200]}); re-download it"
+            ) from None
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         mcfg = _read_json(path / "config.json")
@@ -265,10 +271,14 @@ class Tokenizer:
         merges_raw = _string_array(fields, "tokenizer.ggml.merges", source)
         token_types = scalar("tokenizer.ggml.token_type", [1] * len(tokens))
         if not isinstance(token_types, list) or not all(type(x) is int for x in token_types):
-            raise UserError(f"{source}: GGUF metadata tokenizer.ggml.token_type is not a list of whole numbers; the "
-                            "file is damaged, re-download it")
+            raise UserError(
+                f"{source}: GGUF metadata tokenizer.ggml.token_type is not a list of whole numbers; the "
+                "file is damaged, re-download it"
+            )
         if len(token_types) != len(tokens):
-            raise UserError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+            raise UserError(
+                f"{source}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+            )
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
@@ -282,8 +292,10 @@ class Tokenizer:
         try:
             bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False)
         except Exception as exc:  # the BPE builder rejects merges of tokens the vocabulary lacks
-            raise UserError(f"{source}: GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc}); the file "
-                            "is damaged, re-download it") from None
+            raise UserError(
+                f"{source}: GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({exc}); the file "
+                "is damaged, re-download it"
+            ) from None
         backend = _HFTokenizer(bpe)
         pre = scalar("tokenizer.ggml.pre")
         backend.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else repr(pre), source)
@@ -305,13 +317,16 @@ class Tokenizer:
             backend.add_special_tokens(specials)
         if users:
             backend.add_tokens(users)
+
         def token_id(key: str) -> int | None:
             value = scalar(key)
             if value is None:
                 return None
             if type(value) is not int or not 0 <= value < len(tokens):
-                raise UserError(f"{source}: GGUF metadata {key} = {str(value)[:40]!r} is not a token id (0 to "
-                                f"{len(tokens) - 1}); the file is damaged, re-download it")
+                raise UserError(
+                    f"{source}: GGUF metadata {key} = {str(value)[:40]!r} is not a token id (0 to "
+                    f"{len(tokens) - 1}); the file is damaged, re-download it"
+                )
             return value
 
         bos = token_id("tokenizer.ggml.bos_token_id")
@@ -349,11 +364,13 @@ def _check_merges(vocab: dict, merges: list, where: str, prefix: str = "") -> No
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
             raise UserError(f"{where}: entry {str(pair)[:60]!r} is not a pair of tokens; the file is damaged")
         a, b = pair
-        joined = a + (b[len(prefix):] if prefix and b.startswith(prefix) else b)
+        joined = a + (b[len(prefix) :] if prefix and b.startswith(prefix) else b)
         for token in (a, b, joined):
             if token not in vocab:
-                raise UserError(f"{where}: merge {a + ' ' + b!r} needs token {token!r}, which the vocabulary lacks; "
-                                "the file is damaged, re-download it")
+                raise UserError(
+                    f"{where}: merge {a + ' ' + b!r} needs token {token!r}, which the vocabulary lacks; "
+                    "the file is damaged, re-download it"
+                )
 
 
 def _check_bpe_file(path: Path) -> None:

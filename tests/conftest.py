@@ -34,8 +34,18 @@ def tiny_random():
     from flashnext.core.config import ModelConfig
 
     SHAPES["tiny-test"] = ModelConfig(
-        architecture="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True)
+        architecture="qwen3",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    )
     try:
         return random_model("tiny-test", torch.device("cpu"))
     finally:
@@ -45,10 +55,9 @@ def tiny_random():
 @pytest.fixture(scope="session")
 def rknpu_export(tiny_llama, tmp_path_factory):
     """The tiny Llama exported for rk3588 (int4, batch 4, chunk 16, context 128), checked; (folder, manifest)."""
-    from rknpu_fakes import CHUNK, CONTEXT
-
     from flashnext.core.loader import load_model
     from flashnext.plugins.rknpu.export import export
+    from rknpu_fakes import CHUNK, CONTEXT
 
     out = tmp_path_factory.mktemp("rknpu-tiny")
     return out, export(load_model(str(tiny_llama)), out, chunk=CHUNK, context=CONTEXT)

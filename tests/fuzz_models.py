@@ -100,8 +100,12 @@ def gguf_bytes(g: Gguf, align: int = 32) -> bytes:
     offset, blobs = 0, []
     for t in g.tensors:
         at = offset if t.offset is None else t.offset
-        out += [_pack_value(STRING, t.name), struct.pack("<I", len(t.dims)), struct.pack(f"<{len(t.dims)}Q", *t.dims),
-                struct.pack("<IQ", t.ttype, at % 2**64)]
+        out += [
+            _pack_value(STRING, t.name),
+            struct.pack("<I", len(t.dims)),
+            struct.pack(f"<{len(t.dims)}Q", *t.dims),
+            struct.pack("<IQ", t.ttype, at % 2**64),
+        ]
         blobs.append(t.data + b"\0" * (-len(t.data) % align))
         offset += len(blobs[-1])
     head = b"".join(out)
@@ -119,13 +123,34 @@ def _write(folder: Path, name: str, data: bytes) -> Path:
     return path
 
 
-COUNT_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
-              "attention.head_count_kv", "context_length", "attention.key_length", "vocab_size")
+COUNT_KEYS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "context_length",
+    "attention.key_length",
+    "vocab_size",
+)
 FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
-BAD_COUNTS = [(STRING, "twelve"), (F32, float("nan")), (ARRAY, (U32, [1, 2, 3])), (I32, -1), (U64, 2**63),
-              (U32, 0), (BOOL, True), (ARRAY, (STRING, [b"a"]))]
+BAD_COUNTS = [
+    (STRING, "twelve"),
+    (F32, float("nan")),
+    (ARRAY, (U32, [1, 2, 3])),
+    (I32, -1),
+    (U64, 2**63),
+    (U32, 0),
+    (BOOL, True),
+    (ARRAY, (STRING, [b"a"])),
+]
 BAD_FLOATS = [(F32, float("nan")), (F32, float("inf")), (F32, -1.0), (F32, 0.0), (STRING, "big")]
 TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
+def _setter(key: str, vtype: int, value) -> Callable[[Gguf], None]:
+    """A variant's edit: metadata `key` set to `value` of GGUF type `vtype`."""
+    return lambda g: g.set(key, vtype, value)
 
 
 def gguf_structured(base: Gguf, arch: str) -> Iterator[tuple[str, Gguf]]:
@@ -139,31 +164,54 @@ def gguf_structured(base: Gguf, arch: str) -> Iterator[tuple[str, Gguf]]:
 
     for key in COUNT_KEYS:
         for vtype, value in BAD_COUNTS:
-            yield f"{key}={vtype}:{str(value)[:12]}", variant(lambda g: g.set(f"{arch}.{key}", vtype, value))
+            yield (
+                f"{key}={vtype}:{str(value)[:12]}",
+                variant(_setter(f"{arch}.{key}", vtype, value)),
+            )
     for key in FLOAT_KEYS:
         for vtype, value in BAD_FLOATS:
-            yield f"{key}={value}", variant(lambda g: g.set(f"{arch}.{key}", vtype, value))
+            yield (
+                f"{key}={value}",
+                variant(_setter(f"{arch}.{key}", vtype, value)),
+            )
     for key in TOKEN_ID_KEYS:
         for vtype, value in [(U32, 10**6), (STRING, "1"), (I32, -5), (F32, 1.5)]:
-            yield f"{key}={value}", variant(lambda g: g.set(key, vtype, value))
+            yield f"{key}={value}", variant(_setter(key, vtype, value))
     blocks = base.get(f"{arch}.block_count")
     yield "block_count one short", variant(lambda g: g.set(f"{arch}.block_count", U32, blocks - 1))
     yield "block_count one more", variant(lambda g: g.set(f"{arch}.block_count", U32, blocks + 1))
     yield "kv heads not dividing", variant(lambda g: g.set(f"{arch}.attention.head_count_kv", U32, 3))
-    yield "rope scaling linear factor 0", variant(lambda g: (g.set(f"{arch}.rope.scaling.type", STRING, "linear"),
-                                                             g.set(f"{arch}.rope.scaling.factor", F32, 0.0)))
+    yield (
+        "rope scaling linear factor 0",
+        variant(
+            lambda g: (
+                g.set(f"{arch}.rope.scaling.type", STRING, "linear"),
+                g.set(f"{arch}.rope.scaling.factor", F32, 0.0),
+            )
+        ),
+    )
     yield "architecture array", variant(lambda g: g.set("general.architecture", ARRAY, (STRING, [b"llama"])))
     yield "architecture unknown", variant(lambda g: g.set("general.architecture", STRING, "mamba"))
     yield "architecture not utf-8", variant(lambda g: g.set("general.architecture", STRING, b"\xff\xfe"))
     yield "no tokenizer model", variant(lambda g: g.drop("tokenizer.ggml.model"))
     yield "tokenizer pre number", variant(lambda g: g.set("tokenizer.ggml.pre", U32, 7))
-    yield "token types strings", variant(lambda g: g.set("tokenizer.ggml.token_type", ARRAY,
-                                                          (STRING, [b"x"] * len(g.get("tokenizer.ggml.tokens")[1]))))
+    yield (
+        "token types strings",
+        variant(
+            lambda g: g.set(
+                "tokenizer.ggml.token_type", ARRAY, (STRING, [b"x"] * len(g.get("tokenizer.ggml.tokens")[1]))
+            )
+        ),
+    )
     yield "token types short", variant(lambda g: g.set("tokenizer.ggml.token_type", ARRAY, (I32, [1])))
-    yield "merges of unknown tokens", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY,
-                                                               (STRING, [b"\xe2\x98\x83 zz"])))
-    yield "merge whose result is no token", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY,
-                                                                     (STRING, [_orphan_merge(g)])))
+    yield (
+        "merges of unknown tokens",
+        variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY, (STRING, [b"\xe2\x98\x83 zz"]))),
+    )
+    yield (
+        "merge whose result is no token",
+        variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY, (STRING, [_orphan_merge(g)]))),
+    )
     yield "merge without a space", variant(lambda g: g.set("tokenizer.ggml.merges", ARRAY, (STRING, [b"ab"])))
     yield "tokens not an array", variant(lambda g: g.set("tokenizer.ggml.tokens", U32, 5))
     yield "chat template a number", variant(lambda g: g.set("tokenizer.chat_template", U32, 5))
@@ -171,10 +219,18 @@ def gguf_structured(base: Gguf, arch: str) -> Iterator[tuple[str, Gguf]]:
     yield "alignment as string", variant(lambda g: g.set("general.alignment", STRING, "32"))
     yield "version 7", variant(lambda g: setattr(g, "version", 7))
     if arch == "qwen3":
-        yield "qwen3 without q/k norms", variant(lambda g: setattr(g, "tensors", [
-            t for t in g.tensors if not t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))]))
+        yield (
+            "qwen3 without q/k norms",
+            variant(
+                lambda g: setattr(
+                    g,
+                    "tensors",
+                    [t for t in g.tensors if not t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))],
+                )
+            ),
+        )
     for fault, offset in [("wrap", 2**64 - 64), ("misaligned", 1), ("past end", 1 << 40)]:
-        yield f"tensor offset {fault}", variant(lambda g: setattr(g.tensors[1], "offset", offset))
+        yield f"tensor offset {fault}", variant(lambda g, offset=offset: setattr(g.tensors[1], "offset", offset))
     yield "tensor type 99", variant(lambda g: setattr(g.tensors[0], "ttype", 99))
     yield "tensor 0 dims", variant(lambda g: setattr(g.tensors[0], "dims", []))
     yield "tensor 5 dims", variant(lambda g: setattr(g.tensors[0], "dims", g.tensors[0].dims + [1, 1, 1]))
@@ -224,10 +280,10 @@ def gguf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "lla
             data = data[: rng.randrange(len(data))]
         elif kind == "bytes":
             at = rng.randrange(header_end)
-            data[at:at + 8] = rng.choice([b"\xff" * 8, b"\0" * 8, struct.pack("<Q", 2**62), rng.randbytes(8)])
+            data[at : at + 8] = rng.choice([b"\xff" * 8, b"\0" * 8, struct.pack("<Q", 2**62), rng.randbytes(8)])
         else:  # a u64 length somewhere in the header set huge
             at = rng.randrange(8, header_end - 8)
-            data[at:at + 8] = struct.pack("<Q", rng.choice([2**62, 2**64 - 1, 2**40, 2**31]))
+            data[at : at + 8] = struct.pack("<Q", rng.choice([2**62, 2**64 - 1, 2**40, 2**31]))
         yield f"gguf random {kind} #{i}", _write(folder, f"r{i}.gguf", bytes(data))
 
 
@@ -236,19 +292,44 @@ def gguf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "lla
 
 
 CONFIG_FAULTS: list[tuple[str, object]] = [
-    ("hidden_size", "64"), ("hidden_size", [64]), ("hidden_size", {"a": 1}), ("hidden_size", 64.5),
-    ("num_attention_heads", None), ("num_attention_heads", 0), ("num_attention_heads", True),
-    ("num_key_value_heads", 3), ("head_dim", 15), ("num_hidden_layers", 1), ("num_hidden_layers", 3),
-    ("vocab_size", 10), ("vocab_size", -1), ("rope_theta", float("inf")), ("rope_theta", float("nan")),
-    ("rope_theta", "x"), ("rms_norm_eps", float("nan")), ("max_position_embeddings", 10**12),
-    ("rope_scaling", {"rope_type": "linear", "factor": 0}), ("rope_scaling", {"rope_type": "linear", "factor": -2}),
+    ("hidden_size", "64"),
+    ("hidden_size", [64]),
+    ("hidden_size", {"a": 1}),
+    ("hidden_size", 64.5),
+    ("num_attention_heads", None),
+    ("num_attention_heads", 0),
+    ("num_attention_heads", True),
+    ("num_key_value_heads", 3),
+    ("head_dim", 15),
+    ("num_hidden_layers", 1),
+    ("num_hidden_layers", 3),
+    ("vocab_size", 10),
+    ("vocab_size", -1),
+    ("rope_theta", float("inf")),
+    ("rope_theta", float("nan")),
+    ("rope_theta", "x"),
+    ("rms_norm_eps", float("nan")),
+    ("max_position_embeddings", 10**12),
+    ("rope_scaling", {"rope_type": "linear", "factor": 0}),
+    ("rope_scaling", {"rope_type": "linear", "factor": -2}),
     ("rope_scaling", {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4}),
-    ("rope_scaling", "linear"), ("rope_scaling", {"type": ["x"]}), ("architectures", "LlamaForCausalLM"),
-    ("architectures", [["LlamaForCausalLM"]]), ("architectures", {"a": 1}), ("architectures", 5),
-    ("eos_token_id", "2"), ("eos_token_id", [[2]]), ("bos_token_id", 10**6), ("bos_token_id", "0"),
-    ("tie_word_embeddings", "maybe"), ("hidden_act", ["silu"]), ("quantization_config", "fp8"),
+    ("rope_scaling", "linear"),
+    ("rope_scaling", {"type": ["x"]}),
+    ("architectures", "LlamaForCausalLM"),
+    ("architectures", [["LlamaForCausalLM"]]),
+    ("architectures", {"a": 1}),
+    ("architectures", 5),
+    ("eos_token_id", "2"),
+    ("eos_token_id", [[2]]),
+    ("bos_token_id", 10**6),
+    ("bos_token_id", "0"),
+    ("tie_word_embeddings", "maybe"),
+    ("hidden_act", ["silu"]),
+    ("quantization_config", "fp8"),
     ("quantization_config", {"quant_method": "fp8", "weight_block_size": [float("inf"), 1]}),
-    ("use_sliding_window", True), ("sliding_window", "x"), ("num_nextn_predict_layers", -1),
+    ("use_sliding_window", True),
+    ("sliding_window", "x"),
+    ("num_nextn_predict_layers", -1),
 ]
 
 
@@ -265,8 +346,8 @@ def _copy(base: Path, folder: Path, name: str) -> Path:
 def _safetensors_with(out: Path, edit: Callable[[dict, bytearray], None]) -> None:
     raw = (out / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    data = bytearray(raw[8 + n:])
+    header = json.loads(raw[8 : 8 + n])
+    data = bytearray(raw[8 + n :])
     edit(header, data)
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
@@ -297,16 +378,22 @@ def hf_cases(folder: Path, rng: random.Random, n_random: int, arch: str = "llama
         yield f"config {field}={str(value)[:20]}", out
     files: list[tuple[str, Callable[[Path], None]]] = [
         ("config deep nesting", lambda o: (o / "config.json").write_text("[" * 100000 + "]" * 100000)),
-        ("config field nested deep", lambda o: (o / "config.json").write_text(
-            json.dumps(config)[:-1] + ', "rope_scaling": ' + "[" * 5000 + "]" * 5000 + "}")),
+        (
+            "config field nested deep",
+            lambda o: (o / "config.json").write_text(
+                json.dumps(config)[:-1] + ', "rope_scaling": ' + "[" * 5000 + "]" * 5000 + "}"
+            ),
+        ),
         ("config not an object", lambda o: (o / "config.json").write_text("[1, 2]")),
-        ("config not utf-8", lambda o: (o / "config.json").write_bytes(b"{\"a\": \"\xff\"}")),
+        ("config not utf-8", lambda o: (o / "config.json").write_bytes(b'{"a": "\xff"}')),
         ("chat_template.jinja not utf-8", lambda o: _jinja_only(o, b"{{ '\xff\xfe' }}")),
         ("tokenizer_config chat_template a number", lambda o: _tok_config(o, chat_template=5)),
         ("tokenizer_config chat_template list of junk", lambda o: _tok_config(o, chat_template=[{"name": [1]}])),
         ("tokenizer_config bos a list", lambda o: _tok_config(o, bos_token=["<|endoftext|>"])),
-        ("tokenizer_config deep",
-         lambda o: (o / "tokenizer_config.json").write_text('{"a":' * 5000 + "1" + "}" * 5000)),
+        (
+            "tokenizer_config deep",
+            lambda o: (o / "tokenizer_config.json").write_text('{"a":' * 5000 + "1" + "}" * 5000),
+        ),
         ("generation_config eos a float", lambda o: (o / "generation_config.json").write_text('{"eos_token_id": 2.5}')),
         ("tokenizer.json truncated", lambda o: _truncate(o / "tokenizer.json", 0.5)),
         ("tokenizer.json merge result missing", _drop_merged_token),
@@ -370,7 +457,7 @@ def _truncate(path: Path, fraction: float) -> None:
 
 def _poke(path: Path, at: int, value: bytes) -> None:
     data = bytearray(path.read_bytes())
-    data[at:at + len(value)] = value
+    data[at : at + len(value)] = value
     path.write_bytes(bytes(data))
 
 
@@ -455,10 +542,19 @@ def generate_two_tokens(model) -> None:
 
 # Mutations that leave a model the readers may run: a fallback (key_length 0 means "hidden / heads"), a value
 # pydantic reads as the number it spells, or a field the loader does not need; random damage may land anywhere.
-MAY_RUN = {"valid", "hf valid", "gguf attention.key_length=4:0", "config hidden_size=64",
-           "config architectures=LlamaForCausalLM", "config bos_token_id=0", "config use_sliding_window=True",
-           "config sliding_window=x", "tokenizer_config chat_template list of junk", "tokenizer_config bos a list",
-           "generation_config eos a float"}
+MAY_RUN = {
+    "valid",
+    "hf valid",
+    "gguf attention.key_length=4:0",
+    "config hidden_size=64",
+    "config architectures=LlamaForCausalLM",
+    "config bos_token_id=0",
+    "config use_sliding_window=True",
+    "config sliding_window=x",
+    "tokenizer_config chat_template list of junk",
+    "tokenizer_config bos a list",
+    "generation_config eos a float",
+}
 
 
 def must_refuse(name: str) -> bool:

@@ -36,8 +36,7 @@ class FakeRKNNLite:
         self.session = ort.InferenceSession(str(self.onnx), providers=["CPUExecutionProvider"])
         return 0
 
-    def inference(self, inputs=None, data_type=None, data_format=None, inputs_pass_through=None,
-                  get_frame_id=False):
+    def inference(self, inputs=None, data_type=None, data_format=None, inputs_pass_through=None, get_frame_id=False):
         self.log.append(("inference", len(inputs or [])))
         if "inference" in self.fail or self.session is None:
             return None

@@ -85,8 +85,13 @@ def fake_amdsmi(fixture: str, init_fails: bool = False) -> types.ModuleType:
             raise AmdSmiLibraryException(2)  # AMDSMI_STATUS_NOT_SUPPORTED
         return dict(clocks[clock_type.name])
 
-    for fn in (amdsmi_init, amdsmi_shut_down, amdsmi_get_processor_handles, amdsmi_get_gpu_asic_info,
-               amdsmi_get_clock_info):
+    for fn in (
+        amdsmi_init,
+        amdsmi_shut_down,
+        amdsmi_get_processor_handles,
+        amdsmi_get_gpu_asic_info,
+        amdsmi_get_clock_info,
+    ):
         setattr(mod, fn.__name__, fn)
     return mod
 
@@ -109,14 +114,42 @@ if path:
 
 # gcnArchName and (major, minor) as a ROCm torch reports them; (major, minor) is the gfx number, not a capability.
 GPUS = {
-    "mi300x": SimpleNamespace(name="AMD Instinct MI300X", gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4,
-                              total_memory=205822885888, multi_processor_count=304, is_integrated=False),
-    "mi355x": SimpleNamespace(name="AMD Instinct MI355X", gcnArchName="gfx950:sramecc+:xnack-", major=9, minor=5,
-                              total_memory=309220868096, multi_processor_count=256, is_integrated=False),
-    "mi210": SimpleNamespace(name="AMD Instinct MI210", gcnArchName="gfx90a:sramecc+:xnack-", major=9, minor=0,
-                             total_memory=68702699520, multi_processor_count=104, is_integrated=False),
-    "rx7900": SimpleNamespace(name="AMD Radeon RX 7900 XTX", gcnArchName="gfx1100", major=11, minor=0,
-                              total_memory=25753026560, multi_processor_count=48, is_integrated=False),
+    "mi300x": SimpleNamespace(
+        name="AMD Instinct MI300X",
+        gcnArchName="gfx942:sramecc+:xnack-",
+        major=9,
+        minor=4,
+        total_memory=205822885888,
+        multi_processor_count=304,
+        is_integrated=False,
+    ),
+    "mi355x": SimpleNamespace(
+        name="AMD Instinct MI355X",
+        gcnArchName="gfx950:sramecc+:xnack-",
+        major=9,
+        minor=5,
+        total_memory=309220868096,
+        multi_processor_count=256,
+        is_integrated=False,
+    ),
+    "mi210": SimpleNamespace(
+        name="AMD Instinct MI210",
+        gcnArchName="gfx90a:sramecc+:xnack-",
+        major=9,
+        minor=0,
+        total_memory=68702699520,
+        multi_processor_count=104,
+        is_integrated=False,
+    ),
+    "rx7900": SimpleNamespace(
+        name="AMD Radeon RX 7900 XTX",
+        gcnArchName="gfx1100",
+        major=11,
+        minor=0,
+        total_memory=25753026560,
+        multi_processor_count=48,
+        is_integrated=False,
+    ),
 }
 
 
@@ -137,9 +170,24 @@ def path_with_only(monkeypatch, bin_dir: Path) -> None:
     monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"]))
 
 
-def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_attn_probs=False, block_table=None):
+def reference_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """flash_attn_varlen_func's contract computed with torch: GQA, causal mask aligned bottom-right."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]

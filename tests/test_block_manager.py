@@ -199,5 +199,7 @@ def test_chain_hash_covers_the_parent_then_each_token_as_4_little_endian_bytes()
     expected = xxhash.xxh64(b"".join(t.to_bytes(4, "little") for t in tokens)).intdigest()
     assert chain_hash(None, tokens) == expected
     parent = 2**63 + 11
-    assert chain_hash(parent, tokens) == xxhash.xxh64(
-        parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)).intdigest()
+    assert (
+        chain_hash(parent, tokens)
+        == xxhash.xxh64(parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)).intdigest()
+    )

@@ -41,12 +41,22 @@ def test_backends_table_mentions_every_backend():
 
 
 def test_run_json_has_the_contract_keys(tiny_llama):
-    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "5",
-                    "--json")
+    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "5", "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    for key in ("text", "token_ids", "prompt_tokens", "completion_tokens", "finish_reason", "backend", "model",
-                "precision", "profile", "timing", "spec"):
+    for key in (
+        "text",
+        "token_ids",
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+        "backend",
+        "model",
+        "precision",
+        "profile",
+        "timing",
+        "spec",
+    ):
         assert key in report
     assert report["backend"] == "cpu" and report["precision"] == "fp32"
     assert report["completion_tokens"] == len(report["token_ids"]) <= 5
@@ -76,8 +86,18 @@ def test_run_takes_one_time_warm_up_out_of_ttft_and_decode_speed(tiny_llama, mon
     """Without the warm-up, a runner's one-time work inside the request's steps is reported as warm_up_s, not as
     slow decode."""
     steps = slow_first_decode(monkeypatch)
-    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6",
-                    "--json", "--no-warm-up")
+    result = invoke(
+        "run",
+        "hello world",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "cpu",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--no-warm-up",
+    )
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     timing = report["timing"]
@@ -91,19 +111,23 @@ def test_run_warms_up_before_the_request_by_default(tiny_llama, monkeypatch):
     """The warm-up request takes the first decode step's one-time work: the real request never sees it, and
     warm_up_s reports it with the warm-up's own time."""
     steps = slow_first_decode(monkeypatch)
-    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6",
-                    "--json")
+    result = invoke("run", "hello world", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "6", "--json")
     assert result.exit_code == 0, result.stderr
     timing = json.loads(result.stdout)["timing"]
     assert len(steps) >= 4  # the warm-up's prefill and decode, then the request's
     assert 0.3 <= timing["warm_up_s"] < 5 and timing["ttft_s"] < 0.2
 
 
-@pytest.mark.parametrize("raised,said", [
-    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
-     "out of device memory allocating 2.00 GiB;"),
-    ("RuntimeError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'", "out of device memory;"),
-])
+@pytest.mark.parametrize(
+    "raised,said",
+    [
+        (
+            "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity",
+            "out of device memory allocating 2.00 GiB;",
+        ),
+        ("RuntimeError: CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'", "out of device memory;"),
+    ],
+)
 def test_running_out_of_device_memory_is_one_line_with_the_settings_to_lower(tiny_llama, monkeypatch, raised, said):
     """Out of memory past the weights check (KV cache, a capture, a big prefill; from torch's allocator or, as a
     stream on a nearly full H200 did, the driver) is a runtime failure (exit 1) in one line naming what to lower,
@@ -121,8 +145,10 @@ def test_running_out_of_device_memory_is_one_line_with_the_settings_to_lower(tin
     result = invoke("run", "hello", "--model", str(tiny_llama), "--backend", "cpu")
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the stage lines
-    assert errors == [f"error: {said} lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
-                      "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision"]
+    assert errors == [
+        f"error: {said} lower --max-model-len, FLASHNEXT_MAX_NUM_SEQS or "
+        "FLASHNEXT_MEMORY_UTILIZATION, or use a smaller --precision"
+    ]
     assert "Traceback" not in result.stderr
 
 
@@ -134,8 +160,19 @@ def test_run_reads_prompt_from_stdin_and_is_deterministic(tiny_llama):
 
 
 def test_seeded_sampling_repeats_and_differs_from_other_seed(tiny_llama):
-    base = ["run", "once upon a time", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "12",
-            "--temperature", "1.5", "--json"]
+    base = [
+        "run",
+        "once upon a time",
+        "--model",
+        str(tiny_llama),
+        "--backend",
+        "cpu",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.5",
+        "--json",
+    ]
     one = json.loads(invoke(*base, "--seed", "1").stdout)["token_ids"]
     again = json.loads(invoke(*base, "--seed", "1").stdout)["token_ids"]
     other = json.loads(invoke(*base, "--seed", "2").stdout)["token_ids"]
@@ -201,8 +238,13 @@ def test_the_readme_first_command_answers_cleanly():
     command = shlex.split(quick_start_commands()[0].rsplit("&& ", 1)[1])
     assert command[:2] == ["flashnext", "run"]
     env = dict(os.environ, FLASHNEXT_BACKEND="cpu")
-    proc = subprocess.run([str(Path(sys.executable).parent / "flashnext"), *command[1:]],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "flashnext"), *command[1:]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     answer = proc.stdout.strip()
     assert "Paris" in answer and "\n" not in answer and len(answer) < 80, answer  # one sentence, no ramble

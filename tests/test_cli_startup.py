@@ -20,13 +20,16 @@ def imported_modules(*args: str) -> tuple[int, str, set[str]]:
     return proc.returncode, proc.stdout + proc.stderr, modules
 
 
-@pytest.mark.parametrize("args, code", [
-    (["--help"], 0),
-    (["--version"], 0),
-    (["no-such-command"], 2),
-    (["run", "--max-tokens", "0", "hi"], 2),
-    (["bench", "--prompt-len", "x"], 2),
-])
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["--help"], 0),
+        (["--version"], 0),
+        (["no-such-command"], 2),
+        (["run", "--max-tokens", "0", "hi"], 2),
+        (["bench", "--prompt-len", "x"], 2),
+    ],
+)
 def test_quick_answers_import_no_torch(args, code):
     returncode, output, modules = imported_modules(*args)
     assert returncode == code, output

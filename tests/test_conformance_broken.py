@@ -18,18 +18,39 @@ FAULTS = {
     "fp8": ("linear", r"(linear_fp8_activation_range|fp8_linear_edges|linear)\[fp8-e5m2", "got inf (+inf)", None),
     "partial": ("attention or store_kv", r"attention\[", "rows are off by more than 1% or in NaN/Inf (rows 24)", None),
     "int4": ("engine_precision", r"engine_precision\[int4\]", "full-precision weights, not int4", None),
-    "crash": ("silu_and_mul or rmsnorm", r"silu_and_mul\[", "RuntimeError: no silu_and_mul kernel built for shape", None),
+    "crash": (
+        "silu_and_mul or rmsnorm",
+        r"silu_and_mul\[",
+        "RuntimeError: no silu_and_mul kernel built for shape",
+        None,
+    ),
     # 0.5% faults: within the old bounds, each must now fail its own op by name.
     "rmsnorm": ("rmsnorm", r"rmsnorm\[", "rmsnorm systematic scale error: the output is 1.00500 x", None),
     "softmax": ("attention", r"attention\[", "attention nmse", None),
-    "longctx": ("attention", r"attention\[(fp32|bf16|fp16|fp8-e4m3|fp8-e5m2|int4)-(decode-split-kv-4k|chunk-past-2k)\]",
-                "attention nmse", None),
-    "fp8quant": ("fp8_weights or fp8_linear", r"fp8_(weights_through_backend|linear_edges)\[",
-                 "bytes are NaN/inf", None),
-    "prefixcache": ("prefix_cache or batch_invariance", r"prefix_cache_hit_equals_miss",
-                    "declared off, yet cached prefix tokens", None),
-    "nanlogits": ("(engine_precision and fp32) or seeded or batch", r"(engine_precision\[|seeded_determinism|batch_invariance)",
-                  "non-finite logits", "full-precision weights|changed no token"),
+    "longctx": (
+        "attention",
+        r"attention\[(fp32|bf16|fp16|fp8-e4m3|fp8-e5m2|int4)-(decode-split-kv-4k|chunk-past-2k)\]",
+        "attention nmse",
+        None,
+    ),
+    "fp8quant": (
+        "fp8_weights or fp8_linear",
+        r"fp8_(weights_through_backend|linear_edges)\[",
+        "bytes are NaN/inf",
+        None,
+    ),
+    "prefixcache": (
+        "prefix_cache or batch_invariance",
+        r"prefix_cache_hit_equals_miss",
+        "declared off, yet cached prefix tokens",
+        None,
+    ),
+    "nanlogits": (
+        "(engine_precision and fp32) or seeded or batch",
+        r"(engine_precision\[|seeded_determinism|batch_invariance)",
+        "non-finite logits",
+        "full-precision weights|changed no token",
+    ),
 }
 
 

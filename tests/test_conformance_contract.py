@@ -64,9 +64,27 @@ def test_json_report_is_complete_under_xdist(tmp_path):
     pytest.importorskip("xdist")
     suite = Path(harness.__file__).with_name("suite.py")
     report = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-           "-c", "/dev/null", "-n", "2", "--flashnext-backend", "cpu", "-k", "rope and (fp32 or bf16)",
-           "--flashnext-json", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(suite),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+        "-c",
+        "/dev/null",
+        "-n",
+        "2",
+        "--flashnext-backend",
+        "cpu",
+        "-k",
+        "rope and (fp32 or bf16)",
+        "--flashnext-json",
+        str(report),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with([]), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:]
     doc = json.loads(report.read_text())
@@ -119,18 +137,22 @@ def test_divergence_tells_near_ties_from_faults():
     nudged = tie + torch.tensor([0.0, 0.002, 0.0])
     plain = [_Seq("b", [0, 2])]
     # a near tie flipped by a logit difference larger than its margin: rounding, not a fault
-    worst, fault, _ = harness.divergence(_Tape({("a", 0): nudged}), [_Seq("a", [1, 0])],
-                                         _Tape({("b", 0): tie}), plain, limit=1e-3)
+    worst, fault, _ = harness.divergence(
+        _Tape({("a", 0): nudged}), [_Seq("a", [1, 0])], _Tape({("b", 0): tie}), plain, limit=1e-3
+    )
     assert fault is None and worst < 1e-3
     # the same token change with a clear margin and nearly equal logits: the token is not its logits' argmax
-    _, fault, _ = harness.divergence(_Tape({("a", 0): clear + 1e-4}), [_Seq("a", [1, 0])],
-                                     _Tape({("b", 0): clear}), plain, limit=1e-3)
+    _, fault, _ = harness.divergence(
+        _Tape({("a", 0): clear + 1e-4}), [_Seq("a", [1, 0])], _Tape({("b", 0): clear}), plain, limit=1e-3
+    )
     assert fault and "not the one its logits pick" in fault
     # NaN logits are named as such
-    _, fault, _ = harness.divergence(_Tape({("a", 0): clear * float("nan")}), [_Seq("a", [0, 2])],
-                                     _Tape({("b", 0): clear}), plain, limit=1e-3)
+    _, fault, _ = harness.divergence(
+        _Tape({("a", 0): clear * float("nan")}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
+    )
     assert fault and "non-finite logits" in fault
     # logits far apart: the value exceeds the bound, and the step is named
-    worst, fault, where = harness.divergence(_Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])],
-                                             _Tape({("b", 0): clear}), plain, limit=1e-3)
+    worst, fault, where = harness.divergence(
+        _Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
+    )
     assert fault is None and worst > 1e-3 and "request 0 step 0" in where

@@ -36,12 +36,20 @@ def _is_device_type(node: ast.AST) -> bool:
     return "device" in name.lower()
 
 
-@pytest.mark.parametrize("source,caught", [
-    ('torch.device("cpu")', True), ("torch.cuda.synchronize()", True), ('if device.type == "mps": pass', True),
-    ("x = cuda", True), ("if backend.device().type != other: pass", True),
-    ('if scaling.type == "linear": pass', False), ("# CUDA graphs replay here\nx = profile.cuda_graphs", False),
-    ('"""the Jetson backend"""', False), ('name = "flashnext_cuda_graph_captures"', False),
-])
+@pytest.mark.parametrize(
+    "source,caught",
+    [
+        ('torch.device("cpu")', True),
+        ("torch.cuda.synchronize()", True),
+        ('if device.type == "mps": pass', True),
+        ("x = cuda", True),
+        ("if backend.device().type != other: pass", True),
+        ('if scaling.type == "linear": pass', False),
+        ("# CUDA graphs replay here\nx = profile.cuda_graphs", False),
+        ('"""the Jetson backend"""', False),
+        ('name = "flashnext_cuda_graph_captures"', False),
+    ],
+)
 def test_the_check_catches_what_it_should(source, caught):
     assert bool(offences(source)) is caught
 

@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 tl = triton.language
 
-from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
-from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
 import flashnext.plugins.cuda.drafting as drafting  # noqa: E402
 import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
+from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
+from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
 from flashnext.plugins.cuda.drafting import DeviceNgramDrafter  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 
@@ -30,7 +30,7 @@ REF, CUDA = ReferenceKernels(), CudaKernels()
 def within_one_ulp(a, b, mantissa_bits):
     """Equal up to one unit in the last place: Triton's interpreter truncates where GPUs round to nearest."""
     a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= b.abs() * 2.0 ** -mantissa_bits + 1e-30).all())
+    return bool(((a - b).abs() <= b.abs() * 2.0**-mantissa_bits + 1e-30).all())
 
 
 def nmse(a, b):
@@ -117,8 +117,7 @@ def test_decode_step_bookkeeping_kernels():
 
 # Row counts off the kernel's 4-row tiles, widths under its 1,024-column tile (576, 384: padded) and over it (2,560:
 # a partly filled third tile).
-@pytest.mark.parametrize("n,k,group_size", [(24, 256, 32), (23, 256, 128), (5, 576, 32), (7, 384, 128),
-                                            (9, 2560, 128)])
+@pytest.mark.parametrize("n,k,group_size", [(24, 256, 32), (23, 256, 128), (5, 576, 32), (7, 384, 128), (9, 2560, 128)])
 def test_int4_dequantize_kernel_matches_int4weight(n, k, group_size):
     w = int4_quantize(torch.randn(n, k), group_size=group_size, symmetric=False).to(DEV)
     # allclose, not equal: the GPU may fuse q * s + o into one FMA (one rounding instead of two)
@@ -226,9 +225,14 @@ def test_x_is_packed_only_between_int4_register_gemvs(monkeypatch):
     residual, norm_w = rand(1, 64), rand(64)
     off = CudaKernels()
     off.packed_x = False
-    cases = [(CUDA, rand(1, 64), w2), (CUDA, rand(1, 64), rand(32, 64)), (CUDA, rand(8, 64), w2),
-             (CUDA, rand(1, 64), None), (off, rand(1, 64), w2)]
-    for i, (kernels, x, feeds) in enumerate(cases):
+    cases = [
+        (CUDA, rand(1, 64), w2),
+        (CUDA, rand(1, 64), rand(32, 64)),
+        (CUDA, rand(8, 64), w2),
+        (CUDA, rand(1, 64), None),
+        (off, rand(1, 64), w2),
+    ]
+    for kernels, x, feeds in cases:
         out, passed_on = kernels.linear_into(x, w1, residual[:1].expand(x.shape[0], 64), norm_w, feeds)
         assert isinstance(out, torch.Tensor) and passed_on.data_ptr() == residual.data_ptr()
         monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # the first case: too short a row
@@ -272,9 +276,9 @@ def test_dp4a_sums_unsigned_bytes_times_signed_bytes():
     """The GPU's dp4a instruction and the interpreter's spelled-out sum agree with integer arithmetic, sign bytes
     and the accumulator included."""
     n = 64
-    a = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
-    b = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
-    c = torch.randint(-2**20, 2**20, (n,), dtype=torch.int32, device=DEV)
+    a = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
+    b = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
+    c = torch.randint(-(2**20), 2**20, (n,), dtype=torch.int32, device=DEV)
     out = torch.empty_like(a)
     _dp4a_kernel_for_test[(1,)](a, b, c, out, N=n)
     a_bytes = a.cpu().view(torch.uint8).reshape(n, 4).long()
@@ -332,32 +336,49 @@ def test_verify_rows_attend_as_decode_rows(splits):
     ref = REF.attention(q, kc, vc, meta, 0.2)
     per_row = [c - 4 + i + 1 for c in (9, 23) for i in range(4)]
     rows_meta = AttentionMetadata(
-        slot_mapping=meta.slot_mapping, query_start=torch.arange(9, dtype=torch.int32, device=DEV),
-        context_lens=torch.tensor(per_row, dtype=torch.int32, device=DEV), block_tables=meta.block_tables,
-        max_query_len=1, max_context_len=23)
+        slot_mapping=meta.slot_mapping,
+        query_start=torch.arange(9, dtype=torch.int32, device=DEV),
+        context_lens=torch.tensor(per_row, dtype=torch.int32, device=DEV),
+        block_tables=meta.block_tables,
+        max_query_len=1,
+        max_context_len=23,
+    )
     kernels = CudaKernels(decode_splits=splits)
     rows = kernels.attention(q, kc, vc, rows_meta, 0.2)
     assert nmse(rows, ref) < 1e-4
-    one = AttentionMetadata(slot_mapping=meta.slot_mapping[:1],
-                            query_start=torch.arange(2, dtype=torch.int32, device=DEV),
-                            context_lens=torch.tensor([per_row[6]], dtype=torch.int32, device=DEV),
-                            block_tables=meta.block_tables[1:], max_query_len=1, max_context_len=23)
+    one = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:1],
+        query_start=torch.arange(2, dtype=torch.int32, device=DEV),
+        context_lens=torch.tensor([per_row[6]], dtype=torch.int32, device=DEV),
+        block_tables=meta.block_tables[1:],
+        max_query_len=1,
+        max_context_len=23,
+    )
     assert torch.equal(kernels.attention(q[6:7], kc, vc, one, 0.2)[0], rows[6])
 
 
 def _verify_slots(positions, block_tables, rows_per_table, block_size):
     """The cache slot of each verify row's position: rows_per_table consecutive rows share a table row."""
     tables = block_tables.tolist()
-    return torch.tensor([tables[j // rows_per_table][p // block_size] * block_size + p % block_size
-                         for j, p in enumerate(positions.tolist())], device=DEV)
+    return torch.tensor(
+        [
+            tables[j // rows_per_table][p // block_size] * block_size + p % block_size
+            for j, p in enumerate(positions.tolist())
+        ],
+        device=DEV,
+    )
 
 
 def _rows_meta(rows, slots, context_lens, block_tables, rows_per_table):
     """Metadata of a verify step's `rows` (rows_per_table a sequence), or of one of them as a one-row decode call."""
     return AttentionMetadata(
-        slot_mapping=slots[rows], query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
-        context_lens=context_lens[rows], max_query_len=1, max_context_len=int(context_lens.max()),
-        block_tables=block_tables[[rows[0] // rows_per_table]] if len(rows) == 1 else block_tables)
+        slot_mapping=slots[rows],
+        query_start=torch.arange(len(rows) + 1, dtype=torch.int32, device=DEV),
+        context_lens=context_lens[rows],
+        max_query_len=1,
+        max_context_len=int(context_lens.max()),
+        block_tables=block_tables[[rows[0] // rows_per_table]] if len(rows) == 1 else block_tables,
+    )
 
 
 def _rope_table(dim, positions):
@@ -365,9 +386,21 @@ def _rope_table(dim, positions):
     return torch.cat((angles.cos(), angles.sin()), -1).to(DEV)
 
 
-@pytest.mark.parametrize("group,kv_dtype", [(1, torch.bfloat16), (3, torch.bfloat16), pytest.param(
-    3, torch.float8_e5m2, marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU")])])
+@pytest.mark.parametrize(
+    "group,kv_dtype",
+    [
+        (1, torch.bfloat16),
+        (3, torch.bfloat16),
+        pytest.param(
+            3,
+            torch.float8_e5m2,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU"),
+            ],
+        ),
+    ],
+)
 def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_dtype):
     """rope_attention of a split decode step (q/k norm, rope and the KV write inside the attention kernel) gives
     the bits of qkv_rope_store followed by attention, cache included, an fp8-e5m2 cache too. group 3: verify rows
@@ -381,20 +414,27 @@ def test_split_decode_with_rope_folded_in_equals_rope_then_attention(group, kv_d
     slots = _verify_slots(positions, meta.block_tables, group, block_size)
     slots[1 if group > 1 else 0] = -1  # a padded row writes nothing
     rows_meta = AttentionMetadata(
-        slot_mapping=slots, query_start=torch.arange(len(slots) + 1, dtype=torch.int32, device=DEV),
-        context_lens=(positions + 1).to(torch.int32), block_tables=meta.block_tables, max_query_len=1,
-        max_context_len=max(contexts))
+        slot_mapping=slots,
+        query_start=torch.arange(len(slots) + 1, dtype=torch.int32, device=DEV),
+        context_lens=(positions + 1).to(torch.int32),
+        block_tables=meta.block_tables,
+        max_query_len=1,
+        max_context_len=max(contexts),
+    )
     qkv = rand(len(slots), (heads + 2 * kv_heads) * dim)
     q_norm, k_norm, cos_sin = rand(dim), rand(dim), _rope_table(dim, max(contexts))
     kernels = CudaKernels(decode_splits=4)
     caches = [c.clone() for c in (kc, vc, kc, vc)]
-    fused = kernels.rope_attention(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta,
-                                   0.2, heads, kv_heads, dim)
-    q = kernels.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
-                               kv_heads, dim)
+    fused = kernels.rope_attention(
+        qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim
+    )
+    q = kernels.qkv_rope_store(
+        qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim
+    )
 
     def same(a, b):  # bitwise, fp8 included
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
     assert same(caches[0], caches[2]) and same(caches[1], caches[3])
     assert not same(caches[0], kc)  # the new keys did land
     unfused = kernels.attention(q, caches[2], caches[3], rows_meta, 0.2)
@@ -419,8 +459,22 @@ def test_verify_rows_sharing_programs_equal_one_row_calls(contexts, qk_norm):
 
     def step(rows, k_cache, v_cache):
         row_meta = _rows_meta(rows, slots, (positions + 1).to(torch.int32), meta.block_tables, k1)
-        return kernels.rope_attention(qkv[rows], q_norm, k_norm, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
-                                      row_meta, 0.2, heads, kv_heads, dim)
+        return kernels.rope_attention(
+            qkv[rows],
+            q_norm,
+            k_norm,
+            1e-6,
+            positions[rows],
+            cos_sin,
+            k_cache,
+            v_cache,
+            row_meta,
+            0.2,
+            heads,
+            kv_heads,
+            dim,
+        )
+
     verify = step(list(range(len(slots))), kc, vc)
     for i in range(len(slots)):
         assert torch.equal(step([i], kc.clone(), vc.clone())[0], verify[i]), i
@@ -444,8 +498,10 @@ def test_verify_rows_past_the_drafts_attend_to_nothing(heads, kv_heads, live):
 
     def step(rows, k_cache, v_cache):
         row_meta = _rows_meta(rows, slots, context_lens, meta.block_tables, k1)
-        return kernels.rope_attention(qkv[rows], None, None, 1e-6, positions[rows], cos_sin, k_cache, v_cache,
-                                      row_meta, 0.2, heads, kv_heads, dim)
+        return kernels.rope_attention(
+            qkv[rows], None, None, 1e-6, positions[rows], cos_sin, k_cache, v_cache, row_meta, 0.2, heads, kv_heads, dim
+        )
+
     caches, one_row_caches = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
     verify = step(list(range(len(slots))), *caches)
     live_rows = alive.nonzero().flatten().tolist()
@@ -475,6 +531,7 @@ def _launches_of(kernel_name):
         def __getitem__(self, grid):
             calls.append(grid)
             return real[grid]
+
     setattr(kernels_module, kernel_name, Spy())
     try:
         yield calls
@@ -495,10 +552,15 @@ def test_decode_over_fp8_e5m2_cache_read_as_16_bit_pairs(heads, kv_heads, dim):
     ref = REF.attention(q, kc, vc, meta, 0.2)
     assert nmse(out, ref) < 1e-4 and (out[3] == 0).all()
     shared = AttentionMetadata(  # rows 0-1 and 2-3 each share a table row, attending to 5 / 9 and 20 / 130 keys
-        slot_mapping=meta.slot_mapping, query_start=meta.query_start, max_query_len=1, max_context_len=130,
+        slot_mapping=meta.slot_mapping,
+        query_start=meta.query_start,
+        max_query_len=1,
+        max_context_len=130,
         context_lens=torch.tensor([5, 9, 20, 130], dtype=torch.int32, device=DEV),
-        block_tables=meta.block_tables[[2, 2]].contiguous(), query_lens_host=(1,) * 4,
-        context_lens_host=(5, 9, 20, 130))
+        block_tables=meta.block_tables[[2, 2]].contiguous(),
+        query_lens_host=(1,) * 4,
+        context_lens_host=(5, 9, 20, 130),
+    )
     one_table = dataclasses.replace(shared, block_tables=meta.block_tables[[2, 2, 2, 2]].contiguous())
     assert nmse(CUDA.attention(q, kc, vc, shared, 0.2), REF.attention(q, kc, vc, one_table, 0.2)) < 1e-4
     with _launches_of("_decode_e5m2_kernel") as calls:  # fp32 activations keep the paged kernel's fp32 dots
@@ -510,13 +572,15 @@ def _e5m2_decode_step(heads, kv_heads, dim):
     """Four decode rows over a shuffled fp8-e5m2 cache, contexts 5, 130, 1 and a padded row (slot -1, context 0):
     (caches, metadata, positions, slots, qkv rows, rope table, contexts)."""
     contexts = [5, 130, 1, 0]
-    _, kc, vc, meta = _paged_setup([1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim,
-                                   kv_dtype=torch.float8_e5m2)
+    _, kc, vc, meta = _paged_setup(
+        [1] * 4, [max(c, 1) for c in contexts], heads, kv_heads, dim, kv_dtype=torch.float8_e5m2
+    )
     positions = torch.tensor([max(c - 1, 0) for c in contexts], device=DEV)
     slots = _verify_slots(positions, meta.block_tables, 1, 4)
     slots[3] = -1
-    rows_meta = dataclasses.replace(meta, slot_mapping=slots, context_lens=torch.tensor(
-        contexts, dtype=torch.int32, device=DEV))
+    rows_meta = dataclasses.replace(
+        meta, slot_mapping=slots, context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    )
     qkv = rand(4, (heads + 2 * kv_heads) * dim)
     return kc, vc, rows_meta, positions, slots, qkv, _rope_table(dim, max(contexts)), contexts
 
@@ -529,14 +593,17 @@ def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_he
     kc, vc, rows_meta, positions, slots, qkv, cos_sin, contexts = _e5m2_decode_step(heads, kv_heads, dim)
     q_norm, k_norm = (rand(dim), rand(dim)) if qk_norm else (None, None)
     caches = [c.clone() for c in (kc, vc, kc, vc)]
-    fused = CUDA.rope_attention(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta, 0.2,
-                                heads, kv_heads, dim)
-    q = CUDA.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads,
-                            kv_heads, dim)
+    fused = CUDA.rope_attention(
+        qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim
+    )
+    q = CUDA.qkv_rope_store(
+        qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads, dim
+    )
     unfused = CUDA.attention(q, caches[2], caches[3], rows_meta, 0.2)
 
     def same(a, b):  # bitwise, fp8 included
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
     assert same(caches[0], caches[2]) and same(caches[1], caches[3]) and not same(caches[0], kc)
     assert torch.equal(fused, unfused) and (fused[3] == 0).all() and not fused.isnan().any()
     ref = REF.attention(q, caches[2], caches[3], dataclasses.replace(rows_meta, context_lens_host=tuple(contexts)), 0.2)
@@ -546,7 +613,7 @@ def test_e5m2_decode_with_rope_folded_in_equals_rope_then_attention(heads, kv_he
 def _grouped_fp8_product(rows, w8):
     """rows @ w8.T with rows' scale per (token, group of columns): each group's fp8 product scaled by its own."""
     x, w, g = rows.data.float(), w8.data.float(), rows.group
-    parts = [x[:, i:i + g] @ w[:, i:i + g].T * rows.scale[:, i // g:i // g + 1] for i in range(0, x.shape[1], g)]
+    parts = [x[:, i : i + g] @ w[:, i : i + g].T * rows.scale[:, i // g : i // g + 1] for i in range(0, x.shape[1], g)]
     return sum(parts) * w8.scale.reshape(1, -1)
 
 
@@ -568,8 +635,9 @@ def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(h
     assert torch.equal(small_step, plain.flatten(1))
     monkeypatch.setattr(kernels_module, "HEAD_SCALES_ABOVE_ROWS", 3)
     with _launches_of("_fp8_quant_rows_kernel") as quant_passes:
-        rows = gemm.rope_attention(qkv, *args, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim,
-                                   feeds=o_weight)
+        rows = gemm.rope_attention(
+            qkv, *args, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim, feeds=o_weight
+        )
         out = gemm.linear(rows, o_weight)
     group_heads = 2 if kv_heads * 2 == heads else 1  # a power-of-two kv group shares one scale
     assert quant_passes == [] and isinstance(rows, kernels_module.Fp8Rows) and rows.group == group_heads * dim
@@ -626,8 +694,14 @@ def test_skinny_gemm_applies_a_scale_per_group_of_columns(group, config):
 
 
 # Triton's interpreter converts to fp8 wrongly at binade edges (-31.97 -> -16), so fp8 writes are checked on GPU.
-FP8_ON_GPU = pytest.param(False, torch.float8_e5m2, marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU")])
+FP8_ON_GPU = pytest.param(
+    False,
+    torch.float8_e5m2,
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 casts are checked on the GPU"),
+    ],
+)
 
 
 @pytest.mark.parametrize("qk_norm,kv_dtype", [(True, torch.bfloat16), (False, torch.bfloat16), FP8_ON_GPU])
@@ -640,8 +714,9 @@ def test_qkv_rope_store_matches_reference_ops(qk_norm, kv_dtype):
     cos_sin = _rope_table(dim, 16)
     shape = (2, 4, kv_heads, dim)
     caches = [torch.zeros(shape, device=DEV).to(kv_dtype) for _ in range(4)]
-    q = CUDA.qkv_rope_store(qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], slots,
-                            heads, kv_heads, dim)
+    q = CUDA.qkv_rope_store(
+        qkv, q_norm, k_norm, 1e-6, positions, cos_sin, caches[0], caches[1], slots, heads, kv_heads, dim
+    )
     rq, rk, rv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
     rq, rk, rv = rq.view(tokens, heads, dim), rk.view(tokens, kv_heads, dim), rv.view(tokens, kv_heads, dim)
     if qk_norm:
@@ -707,9 +782,22 @@ def test_fp8_register_gemv_keeps_activations_16_bit():
 # Rows 1-2: the GEMV; 5-32: the skinny GEMM widening int4 tiles (576 columns: 64-column steps; 2,048: K in two or
 # four slices); 40: a pass, then the skinny GEMM; 70: a pass, then cuBLAS; 192 columns of groups of 64: 64-column
 # steps.
-@pytest.mark.parametrize("group_size,rows,k", [(32, 1, 256), (128, 2, 256), (128, 5, 256), (32, 20, 256),
-                                               (32, 7, 576), (128, 32, 512), (128, 40, 256), (128, 70, 256),
-                                               (64, 9, 192), (128, 8, 2048), (32, 20, 2048)])  # 2,048: split K
+@pytest.mark.parametrize(
+    "group_size,rows,k",
+    [
+        (32, 1, 256),
+        (128, 2, 256),
+        (128, 5, 256),
+        (32, 20, 256),
+        (32, 7, 576),
+        (128, 32, 512),
+        (128, 40, 256),
+        (128, 70, 256),
+        (64, 9, 192),
+        (128, 8, 2048),
+        (32, 20, 2048),
+    ],
+)  # 2,048: split K
 def test_int4_gemm_matches_dequantized_reference(group_size, rows, k):
     w = int4_quantize(torch.randn(48, k), group_size=group_size, symmetric=group_size == 128).to(DEV)
     x = rand(rows, k)
@@ -815,8 +903,18 @@ def test_fp8_scaled_mm_linear_close_to_reference():
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["own-programs", "shared-tile"])
-@pytest.mark.parametrize("kind,k,rows", [("bf16", 128, 6), ("fp8", 128, 6), ("int4", 128, 6), ("bf16", 576, 3),
-                                         ("bf16", 576, 5), ("bf16", 1536, 8), ("int4", 576, 5)])
+@pytest.mark.parametrize(
+    "kind,k,rows",
+    [
+        ("bf16", 128, 6),
+        ("fp8", 128, 6),
+        ("int4", 128, 6),
+        ("bf16", 576, 3),
+        ("bf16", 576, 5),
+        ("bf16", 1536, 8),
+        ("int4", 576, 5),
+    ],
+)
 def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypatch):
     """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
     and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536), whether
@@ -842,8 +940,11 @@ def test_row_invariant_graphs_put_the_vocabulary_projection_through_16_row_skinn
     monkeypatch.setattr(kernels_module, "GEMV_MAX_N", 256)
     tiles = []
     skinny = CudaKernels.skinny_gemm
-    monkeypatch.setattr(CudaKernels, "skinny_gemm", lambda self, x, w, config=None: tiles.append(
-        self.row_invariant) or skinny(self, x, w, config))
+    monkeypatch.setattr(
+        CudaKernels,
+        "skinny_gemm",
+        lambda self, x, w, config=None: tiles.append(self.row_invariant) or skinny(self, x, w, config),
+    )
     x, wide = rand(rows, 64), rand(300, 64, scale=0.1)
     kernels = CudaKernels()
     kernels.linear(x, wide)
@@ -865,8 +966,9 @@ def test_row_invariant_int4_rows_past_the_fused_limit_stay_in_the_skinny_gemm(mo
     kernels.gemv_max_rows = 0  # as for a weight wider than the GEMV takes
     passes = []
     dequantize = CudaKernels.int4_dequantize
-    monkeypatch.setattr(CudaKernels, "int4_dequantize", lambda self, w, dtype: passes.append(1) or dequantize(self, w,
-                                                                                                            dtype))
+    monkeypatch.setattr(
+        CudaKernels, "int4_dequantize", lambda self, w, dtype: passes.append(1) or dequantize(self, w, dtype)
+    )
     kernels.linear(x, w)
     assert passes == [1]
     kernels.row_invariant = True
@@ -1056,8 +1158,10 @@ def test_int8_rows_hold_each_group_as_int8_even_columns_first(group):
     assert torch.isnan(rows.scale[1, 0]) and torch.isnan(rows.scale[2, 1]) and torch.isfinite(rows.scale[1, 1:]).all()
 
 
-@pytest.mark.parametrize("group,rows,n,k", [(128, 2, 48, 256), (64, 9, 48, 320), (128, 12, 48, 640),
-                                             (128, 16, 48, 2048), (128, 28, 512, 128)])
+@pytest.mark.parametrize(
+    "group,rows,n,k",
+    [(128, 2, 48, 256), (64, 9, 48, 320), (128, 12, 48, 640), (128, 16, 48, 2048), (128, 28, 512, 128)],
+)
 def test_large_int4_weights_meet_int8_rows_of_their_group(group, rows, n, k, large_int4):
     """Past one row (large_gemv_rows) and up to 16 rows, and the widest (gate/up: outputs >= 4 x K) up to
     INT4_SKINNY_MAX_ROWS, large int4 weights of whole 64-column groups go to the skinny GEMM with x rounded to int8
@@ -1128,9 +1232,16 @@ def wide_int4(large_int4, monkeypatch):
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-@pytest.mark.parametrize("group,rows,n,k,dtype", [(128, 17, 64, 512, BF16), (64, 32, 96, 320, BF16),
-                                                   (128, 40, 128, 256, FP16), (32, 64, 64, 384, BF16),
-                                                   (32, 20, 512, 128, BF16)])
+@pytest.mark.parametrize(
+    "group,rows,n,k,dtype",
+    [
+        (128, 17, 64, 512, BF16),
+        (64, 32, 96, 320, BF16),
+        (128, 40, 128, 256, FP16),
+        (32, 64, 64, 384, BF16),
+        (32, 20, 512, 128, BF16),
+    ],
+)
 def test_large_int4_weights_at_17_to_64_rows_widen_as_the_first_operand(group, rows, n, k, dtype, wide_int4):
     """At 17-64 rows large int4 weights are widened to bf16 as the skinny GEMM's first operand (W_AS_A, 64 weight
     rows a program): the products of x and the bf16-rounded dequantized weight, K in slices or not, rows past a
@@ -1227,8 +1338,13 @@ def test_int4_int8_config_follows_the_weight():
     assert cfg(96, 320, 4, 64) == (32, 64, 3, 2)  # steps halved to a group that divides K (skinny_gemm: one slice)
 
 
-SCALED_MM_ROWS = pytest.param(80, marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="torch._scaled_mm needs an fp8 GPU")])
+SCALED_MM_ROWS = pytest.param(
+    80,
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs an fp8 GPU"),
+    ],
+)
 
 
 @pytest.mark.parametrize("rows", [8, SCALED_MM_ROWS])  # the skinny fp8 GEMM; torch._scaled_mm past its rows

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
+import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
 from flashnext.core.cli_bench import random_model  # noqa: E402
 from flashnext.core.engine.runner import ModelRunner, RunnerSetup  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
@@ -19,10 +20,8 @@ from flashnext.core.kernels import ReferenceKernels  # noqa: E402
 from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
-import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner, graph_buckets  # noqa: E402
-
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -74,8 +73,9 @@ def test_int4_decode_hands_x_packed_from_gemv_to_gemv(tiny_random, monkeypatch):
 
 
 def test_lookahead_stays_inside_owned_slots_and_max_tokens(tiny_random):
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"),
-                         torch.float32)
+    model = DecoderModel(
+        tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], torch.device("cpu"), torch.float32
+    )
     runner = CudaGraphRunner.for_profile(Profile(name="basic"))(model, RunnerSetup(8, 4, torch.float32))
     a = Sequence(list(range(6)), SamplingParams(max_tokens=50))
     a.block_table, a.num_computed = [0, 1], 6  # 8 slots owned, position 6 next: room for 2
@@ -114,8 +114,14 @@ def test_a_capture_after_a_full_chunk_writes_inside_the_token_buffer():
     after a full chunk that row is one past the buffer, so a new bucket's capture wrote past it."""
     from flashnext.core.llm import LLM
 
-    llm = LLM(model=random_model("smollm2-135m", torch.device("cuda")), backend="cuda", precision="int4",
-              profile="full", max_model_len=128, max_num_seqs=4)
+    llm = LLM(
+        model=random_model("smollm2-135m", torch.device("cuda")),
+        backend="cuda",
+        precision="int4",
+        profile="full",
+        max_model_len=128,
+        max_num_seqs=4,
+    )
     runner = llm.engine.runner
     runner.step_index.fill_(runner.max_decode_steps)  # as a chunk of max_decode_steps steps leaves it
     batch = []
@@ -133,8 +139,15 @@ def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monk
     """The decode body (a graph's, run eagerly) of an fp8 or int4 model with an fp8 head at a bucket past the
     GEMV's rows: its argmax rides in the head's GEMM and the tokens are those of logits + an argmax pass, step after
     step; the keys buffer is all zeros between steps, as the next step needs it."""
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS[precision], DEV,
-                         torch.bfloat16, quantized_head=True)
+    model = DecoderModel(
+        tiny_random.config,
+        tiny_random.weights,
+        CudaKernels(),
+        PRECISIONS[precision],
+        DEV,
+        torch.bfloat16,
+        quantized_head=True,
+    )
     assert type(model.lm_head).__name__ == "Fp8Weight"
     profile = Profile(name="full", cuda_graphs=True, graph_batch_sizes=[8], max_num_seqs=8)
     runner = CudaGraphRunner.for_profile(profile)(model, RunnerSetup(64, 4, torch.bfloat16))
@@ -158,8 +171,13 @@ def test_greedy_decode_body_folds_the_argmax_into_the_fp8_head(tiny_random, monk
         return runner.out_tokens[:3, :6].clone()
 
     fused = three_steps()
-    monkeypatch.setattr(CudaKernels, "greedy_keys", lambda self, x, residual, norm_w, eps, w, keys: self.argmax_keys(
-        self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys))
+    monkeypatch.setattr(
+        CudaKernels,
+        "greedy_keys",
+        lambda self, x, residual, norm_w, eps, w, keys: self.argmax_keys(
+            self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys
+        ),
+    )
     assert torch.equal(fused, three_steps())
 
 
@@ -170,10 +188,9 @@ def test_an_fp8_checkpoint_runs_in_fp8_where_the_gpu_has_fp8_tensor_cores(tmp_pa
     """Loaded with its scales, run with no precision asked: fp8-e4m3 on cc 8.9+ (block scales rounded to a scale a
     row), bf16 values below; its logits near the checkpoint's exact values run in fp32 on the CPU."""
     from fixtures import write_tiny_fp8_hf_model
-    from numerics import engine_logits
-
     from flashnext.core.llm import LLM
     from flashnext.core.loader import load_model
+    from numerics import engine_logits
 
     write_tiny_fp8_hf_model(tmp_path, arch="qwen3", scales=scales)
     loaded = load_model(str(tmp_path))

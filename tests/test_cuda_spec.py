@@ -23,8 +23,7 @@ from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.spec.ngram import lookup  # noqa: E402
 from flashnext.plugins.cuda.kernels import LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, CudaKernels  # noqa: E402
-from flashnext.plugins.cuda.runner import (MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner,  # noqa: E402
-                                           _Lookahead, copy_yield)
+from flashnext.plugins.cuda.runner import MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner, _Lookahead, copy_yield  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NGRAM = Profile(name="full", cuda_graphs=True, spec="ngram", spec_tokens=3, graph_batch_sizes=[1, 2, 4])
@@ -38,8 +37,9 @@ REPEATING_PROMPT = MOTIF * 4 + MOTIF[:3]
 def _tiny_runner(tiny_random, block_size=4, profile=NGRAM, device=torch.device("cpu"), eos_ids=frozenset()):
     """A CUDA graph runner over the tiny model (32 KV blocks, fp32): on the CPU by default, for its host-side logic
     (no graphs run); on DEV for the step bodies, run eagerly."""
-    model = DecoderModel(tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], device,
-                         torch.float32)
+    model = DecoderModel(
+        tiny_random.config, tiny_random.weights, CudaKernels(), PRECISIONS["fp32"], device, torch.float32
+    )
     return CudaGraphRunner.for_profile(profile)(model, RunnerSetup(32, block_size, torch.float32, frozenset(eos_ids)))
 
 
@@ -79,8 +79,9 @@ def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
     steps, drafts, drafted, accepted, *per_position = runner.dev_spec_stats[0].tolist()
     assert steps == 3 and len(produced) == 3 + accepted and drafted > 0 and per_position[0] <= drafts <= steps
 
-    ref_model = DecoderModel(tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"],
-                             DEV, torch.float32)
+    ref_model = DecoderModel(
+        tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"], DEV, torch.float32
+    )
     ref = ModelRunner(ref_model, RunnerSetup(32, 4, torch.float32))
     [ref_seq] = _prefilled(ref, [REPEATING_PROMPT])
     ref_seq.block_table = list(range(16))
@@ -97,6 +98,7 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
     """With a token the chunk produces as an EOS id, the device history ends at its first occurrence and the
     chunk's later steps leave the finished row alone (no tokens, no steps counted); a request that ignores EOS, or
     whose stop_token_ids name it, is treated as the engine would."""
+
     def chunk(eos_ids=frozenset(), **params):
         runner = _tiny_runner(tiny_random, device=DEV, eos_ids=eos_ids)
         [seq] = _prefilled(runner, [REPEATING_PROMPT])
@@ -229,6 +231,7 @@ def test_copy_yield_replays_the_drafter_over_the_tokens():
                 kept += 1
             position, steps = position + kept + 1, steps + 1
         return (len(tokens) - start) / steps
+
     rng = np.random.default_rng(0)
     for _ in range(200):
         tokens = rng.integers(0, rng.choice([3, 10, 1000]), rng.integers(3, 80)).tolist()
@@ -237,10 +240,12 @@ def test_copy_yield_replays_the_drafter_over_the_tokens():
         assert copy_yield(tokens, start, 4) == pytest.approx(replay(tokens, start, 4)), (tokens, start)
 
 
-@pytest.mark.parametrize("copyable,verify_steps_a_second,spec_after", [(True, 125.0, 500.0), (True, 70.0, 150.0),
-                                                                       (False, 125.0, 150.0)])
-def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(tiny_random, monkeypatch, copyable,
-                                                                    verify_steps_a_second, spec_after):
+@pytest.mark.parametrize(
+    "copyable,verify_steps_a_second,spec_after", [(True, 125.0, 500.0), (True, 70.0, 150.0), (False, 125.0, 150.0)]
+)
+def test_a_decode_round_of_copyable_text_hands_over_to_spec_at_once(
+    tiny_random, monkeypatch, copyable, verify_steps_a_second, spec_after
+):
     """While decode wins, its rounds' tokens are replayed through the drafter: on text each verify step would have
     copied all its drafts of (3 here: 4 tokens a step), what spec would have run at (verify steps a second x tokens
     a step: 500) becomes spec's rate and spec runs next; an estimate under 1.5 x decode (280 < 300) or new text (1
@@ -272,8 +277,11 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     batch = [ScheduledSeq(seq, 1, 1)]
-    monkeypatch.setattr(CudaGraphRunner, "_to_host", lambda self, tokens, host, meanwhile=None: (
-        meanwhile and meanwhile(), host.copy_(tokens).numpy())[1])
+    monkeypatch.setattr(
+        CudaGraphRunner,
+        "_to_host",
+        lambda self, tokens, host, meanwhile=None: (meanwhile and meanwhile(), host.copy_(tokens).numpy())[1],
+    )
     monkeypatch.setattr(CudaGraphRunner, "_spec_chunk_wanted", lambda self, batch: False)
     runner._read_spec(batch, (1, True, "spec"), 2, [6])  # its queue_next asks the chooser: decode
     assert runner._next_kind == "decode" and runner._in_flight is None
@@ -289,6 +297,7 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     def round_of(kind):
         runner._ahead = _Lookahead([seq], [seq.num_computed - 4], [np.arange(8)])
         runner._round = (kind, 0.0, runner.graph_captures)
+
     round_of("decode")
     runner._close_round(counted=False)
     assert runner.rates_of(1) == {"decode": 0.0, "spec": 0.0}
@@ -297,10 +306,13 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     assert runner.rates_of(1)["decode"] > 0 and runner.rates_of(1)["spec"] == 0.0 and not runner.rates_of(2)["decode"]
 
 
-@pytest.mark.parametrize("kind,measured,rate", [("decode", 400.0, 400.0), ("decode", 100.0, 150.0),
-                                                ("spec", 400.0, 300.0), ("spec", 100.0, 150.0)])
-def test_a_faster_decode_round_sets_the_decode_rate_and_anything_else_is_smoothed(tiny_random, monkeypatch, kind,
-                                                                                 measured, rate):
+@pytest.mark.parametrize(
+    "kind,measured,rate",
+    [("decode", 400.0, 400.0), ("decode", 100.0, 150.0), ("spec", 400.0, 300.0), ("spec", 100.0, 150.0)],
+)
+def test_a_faster_decode_round_sets_the_decode_rate_and_anything_else_is_smoothed(
+    tiny_random, monkeypatch, kind, measured, rate
+):
     """Decode's rate does not depend on the text, so a round slower than it is a host hiccup: it pulls the rate
     halfway, a faster one replaces it. Spec's rate follows the text: halfway both ways."""
     runner = _tiny_runner(tiny_random)
@@ -344,8 +356,8 @@ def test_verify_graph_gives_the_plain_tokens(precision, monkeypatch):
     with x handed on packed between GEMVs too (int4-packed): the verify rows run the decode step's row-invariant
     kernels, so near-ties round the same way in both; rows past a step's drafts and a bucket's padding row are
     skipped without changing a live row."""
-    from flashnext.core.llm import LLM
     import flashnext.plugins.cuda.kernels as kernels_module
+    from flashnext.core.llm import LLM
 
     if precision == "int4-packed":
         precision = "int4"
@@ -356,8 +368,16 @@ def test_verify_graph_gives_the_plain_tokens(precision, monkeypatch):
     prompts = [(m * 4)[: 40 + 3 * i] for i, m in enumerate(motifs)]  # repeats: the random model copies them
     outputs, engines = {}, {}
     for spec in ("none", "ngram"):
-        llm = LLM(model=loaded, backend="cuda", precision=precision, profile="full", spec=spec, spec_tokens=4,
-                  max_model_len=256, max_num_seqs=4)
+        llm = LLM(
+            model=loaded,
+            backend="cuda",
+            precision=precision,
+            profile="full",
+            spec=spec,
+            spec_tokens=4,
+            max_model_len=256,
+            max_num_seqs=4,
+        )
         for temperature in (0.0, 0.9):
             params = SamplingParams(temperature=temperature, max_tokens=48, ignore_eos=True, seed=5)
             outputs[spec, temperature, 1] = [s.output_ids for s in llm.engine.generate(prompts[:1], params)]
@@ -413,6 +433,7 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
         return self.graphs[key]
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
+
     def to_host(self, tokens, host, meanwhile=None):  # eager "graphs" have already run: no wait
         host.copy_(tokens)
         if meanwhile is not None:
@@ -444,8 +465,11 @@ def test_engine_with_spec_chunks_gives_the_plain_tokens(cuda_engine_on_cpu, monk
 
     served = []
     continue_in_flight = CudaGraphRunner._continue_in_flight
-    monkeypatch.setattr(CudaGraphRunner, "_continue_in_flight",
-                        lambda self, batch: served.append(self._in_flight[0]) or continue_in_flight(self, batch))
+    monkeypatch.setattr(
+        CudaGraphRunner,
+        "_continue_in_flight",
+        lambda self, batch: served.append(self._in_flight[0]) or continue_in_flight(self, batch),
+    )
     motifs = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2)).tolist()
     prompts = [(m * 5)[: 30 + 4 * i] for i, m in enumerate(motifs)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -466,16 +490,20 @@ def test_decode_chunks_queued_ahead_give_the_step_by_step_tokens(cuda_engine_on_
     meanwhile)."""
     served = []
     continue_in_flight = CudaGraphRunner._continue_in_flight
-    monkeypatch.setattr(CudaGraphRunner, "_continue_in_flight",
-                        lambda self, batch: served.append(len(batch)) or continue_in_flight(self, batch))
+    monkeypatch.setattr(
+        CudaGraphRunner,
+        "_continue_in_flight",
+        lambda self, batch: served.append(len(batch)) or continue_in_flight(self, batch),
+    )
     prompts = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(4)).tolist()
     lengths = [9, 4, 6]
 
     def run(engine, chunk_steps):
         # Few slots kept ahead: the block tables grow under the chunks queued ahead (which must see that).
         engine.runner.max_decode_steps, engine.runner.lookahead_tokens = chunk_steps, 2 * chunk_steps
-        seqs = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts[:2], lengths)]
+        seqs = [
+            engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[:2], lengths)
+        ]
         for _ in range(2):
             engine.step()
         seqs.append(engine.add_request(prompts[2], SamplingParams(max_tokens=lengths[2], ignore_eos=True)))

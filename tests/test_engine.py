@@ -165,8 +165,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     target = prompts(tiny, lens=[21], seed=7)[0]
     params = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     solo = greedy(engine_for(tiny), [target], max_tokens=16, **params)[0]
-    batched = greedy(engine_for(tiny, max_num_batched_tokens=16), prompts(tiny, seed=8) + [target],
-                     max_tokens=16, **params)[-1]
+    batched = greedy(
+        engine_for(tiny, max_num_batched_tokens=16), prompts(tiny, seed=8) + [target], max_tokens=16, **params
+    )[-1]
     assert batched == solo
 
 
@@ -260,8 +261,9 @@ def test_kv_budget_leaves_room_for_the_warm_up_peak(tiny_llama):
             return 3 * GIB // 2  # pretend the prefill needed three quarters of what is free
 
     loaded = load_model(str(tiny_llama))
-    profile = CpuBackend().profiles()["full"].overridden(memory_utilization=1.0, kv_cache_max_gib=None,
-                                                       max_num_seqs=4096)
+    profile = (
+        CpuBackend().profiles()["full"].overridden(memory_utilization=1.0, kv_cache_max_gib=None, max_num_seqs=4096)
+    )
     plain = LLMEngine(CpuBackend(), loaded, "fp32", profile.overridden(kv_cache_max_gib=2.0))
     measured = LLMEngine(Measuring(), loaded, "fp32", profile)
     assert Measuring.runs == 1
@@ -288,9 +290,19 @@ def test_weight_bytes_is_what_the_model_keeps(precision):
     from flashnext.core.model import DecoderModel, weight_bytes
     from flashnext.core.precision import PRECISIONS
 
-    cfg = ModelConfig(architecture="qwen3", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True,
-                      qk_norm=True)
+    cfg = ModelConfig(
+        architecture="qwen3",
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    )
     loaded = random_model_of(cfg, "mid", torch.device("cpu"))
     p = PRECISIONS[precision]
     model = DecoderModel(cfg, loaded.weights, ReferenceKernels(), p, torch.device("cpu"), torch.bfloat16)
@@ -350,8 +362,9 @@ def test_stops_at_agrees_with_the_stop_list_the_device_runner_takes(ignore_eos):
     assert not params.stops_at(4, eos)
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 2**63), ("top_k", 10**30), ("max_tokens", 2**40),
-                                          ("seed", 2**64), ("seed", -(2**64))])
+@pytest.mark.parametrize(
+    "field, value", [("top_k", 2**63), ("top_k", 10**30), ("max_tokens", 2**40), ("seed", 2**64), ("seed", -(2**64))]
+)
 def test_sampling_params_refuse_values_past_the_samplers_int64(field, value):
     from pydantic import ValidationError
 

@@ -16,8 +16,9 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(BENCH / script), "--threads", "1", *args],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--threads", "1", *args], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -25,8 +26,23 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 def test_bench_engine_reports_throughput_and_latency_percentiles(tmp_path):
     model = write_tiny_hf_model(tmp_path / "tiny", arch="qwen3")
     out = tmp_path / "engine.json"
-    done = run("bench_engine.py", "--backend", "cpu", "--model", str(model), "--num-requests", "12",
-               "--prompt-len", "5,120", "--output-len", "3,20", "--max-num-batched-tokens", "32", "--json", str(out))
+    done = run(
+        "bench_engine.py",
+        "--backend",
+        "cpu",
+        "--model",
+        str(model),
+        "--num-requests",
+        "12",
+        "--prompt-len",
+        "5,120",
+        "--output-len",
+        "3,20",
+        "--max-num-batched-tokens",
+        "32",
+        "--json",
+        str(out),
+    )
     r = json.loads(out.read_text())
     assert "output tok/s" in done.stdout
     assert r["num_requests"] == 12 and r["backend"] == "cpu" and r["profile"]["max_num_batched_tokens"] == 32
@@ -42,8 +58,19 @@ def test_bench_prefill_memory_shows_chunking_bounds_activations(tmp_path):
     # 1536 tokens: the unchunked step materializes 4 heads x 1536^2 fp32 attention scores (~36 MiB per layer).
     model = write_tiny_hf_model(tmp_path / "tiny", arch="llama", max_position_embeddings=2048)
     out = tmp_path / "memory.json"
-    run("bench_prefill_memory.py", "--backend", "cpu", "--model", str(model), "--prompt-len", "1536",
-        "--chunk", "64", "--json", str(out))
+    run(
+        "bench_prefill_memory.py",
+        "--backend",
+        "cpu",
+        "--model",
+        str(model),
+        "--prompt-len",
+        "1536",
+        "--chunk",
+        "64",
+        "--json",
+        str(out),
+    )
     r = json.loads(out.read_text())
     whole, chunked = r["runs"]
     assert (whole["mode"], chunked["mode"]) == ("unchunked", "chunked")
@@ -65,6 +92,7 @@ def test_bench_cuda_reports_the_fp8_ratio_as_the_median_of_interleaved_rounds(mo
     def fake_rows(loaded, backend, precision, profile, sizes, prompt, gen, **extra):
         calls.append((precision, sizes, extra))
         return [{"decode_tok_s": float(next(rates))}]
+
     monkeypatch.setattr(bench_cuda, "bench_rows", fake_rows)
     monkeypatch.setattr(bench_cuda, "release", lambda: None)
     bench_cuda.fp8_ratio_rounds(None)
@@ -93,6 +121,7 @@ def test_bench_fp8_activation_scales_groups_as_the_cuda_decode_path():
     def model(heads, kv_heads, dim):
         cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
         return types.SimpleNamespace(config=cfg, layers=layers)
+
     smollm2, qwen3 = bench.cuda_groups(model(9, 3, 64)), bench.cuda_groups(model(16, 8, 128))
     assert smollm2[id(layers[0].o)] == 64 and qwen3[id(layers[1].o)] == 256
     assert smollm2[id(layers[0].down)] == 1024
@@ -131,8 +160,23 @@ def test_bench_fp8_block_rounding_stores_blocks_as_checkpoints_do():
 
 def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
     out = tmp_path / "shapes.json"
-    done = run("bench_shapes.py", "--backend", "cpu", "--shapes", "smollm2-135m", "--precisions", "bf16,int4",
-               "--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "3", "--json", str(out))
+    done = run(
+        "bench_shapes.py",
+        "--backend",
+        "cpu",
+        "--shapes",
+        "smollm2-135m",
+        "--precisions",
+        "bf16,int4",
+        "--batch-sizes",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--json",
+        str(out),
+    )
     r = json.loads(out.read_text())
     assert "decode, 8 in / 3 out" in done.stdout and r["bench"] == "decode_by_shape"
     bf16_1, bf16_2, int4_1, int4_2 = r["rows"]
@@ -142,20 +186,24 @@ def test_bench_shapes_reports_each_precision_over_the_first(tmp_path):
     assert int4_1["params"] == bf16_1["params"] > 1e8 and bf16_1["layers"] == 30
     for int4, bf16 in ((int4_1, bf16_1), (int4_2, bf16_2)):
         assert abs(int4["decode_over_bf16"] - int4["decode_tok_s"] / bf16["decode_tok_s"]) < 1e-3
-    bad = subprocess.run([sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "qwen3-9b"], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "qwen3-9b"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "'qwen3-9b': choose from" in bad.stderr and "Traceback" not in bad.stderr
     for flag, value in (("--precisions", "int3"), ("--batch-sizes", "1,x"), ("--backend", "rocm")):
-        bad = subprocess.run([sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "smollm2-135m", flag, value],
-                             capture_output=True, text=True)
+        bad = subprocess.run(
+            [sys.executable, str(BENCH / "bench_shapes.py"), "--shapes", "smollm2-135m", flag, value],
+            capture_output=True,
+            text=True,
+        )
         last = bad.stderr.strip().splitlines()[-1]
         assert bad.returncode == 2 and "Traceback" not in bad.stderr and "error:" in last and value in last, flag
 
 
 def test_random_weights_of_an_untied_config_carry_their_own_head():
     from flashnext.core.cli_bench import SHAPES, random_model_of
-    from flashnext.core.llm import LLM
     from flashnext.core.engine.sequence import SamplingParams
+    from flashnext.core.llm import LLM
 
     cfg = SHAPES["smollm2-135m"].model_copy(update=dict(num_layers=2, vocab_size=512, tie_word_embeddings=False))
     loaded = random_model_of(cfg, "untied", torch.device("cpu"))
@@ -173,13 +221,18 @@ def test_ptx_census_shows_the_int4_gemv_reading_four_words_a_load(tmp_path):
     pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
     for args in (["--shape", "6144x2560"], ["--shape", "960x576", "--group", "32"]):
         out = tmp_path / "census.json"
-        done = subprocess.run([sys.executable, str(BENCH / "ptx_census.py"), "--kind", "int4", *args, "--json",
-                               str(out)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, str(BENCH / "ptx_census.py"), "--kind", "int4", *args, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         r = json.loads(out.read_text())
         assert r["weight_elements_a_load"][0] == 4 and r["dp4a"] > 0 and r["instructions"] > 100
-    bad = subprocess.run([sys.executable, str(BENCH / "ptx_census.py"), "--shape", "6144"], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "ptx_census.py"), "--shape", "6144"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "give outputs x columns" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -196,10 +249,14 @@ def test_bench_int4_routes_names_the_route_each_projection_takes(monkeypatch):
     assert shapes == {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
     from flashnext.core.precision import Int4Weight
     from flashnext.plugins.cuda.kernels import CudaKernels
+
     down = Int4Weight(torch.zeros(2560, 4864, dtype=torch.uint8), torch.ones(2560, 76), torch.zeros(2560, 76), 128)
     kernels = CudaKernels()
     assert [bench.route(kernels, torch.zeros(r, 9728, dtype=torch.bfloat16), down) for r in (1, 16, 64)] == [
-        "gemv", "int8 rows", "wide"]
+        "gemv",
+        "int8 rows",
+        "wide",
+    ]
     monkeypatch.setattr(CudaKernels, "_wide_int4", lambda self, x, w: False)
     assert bench.route(kernels, torch.zeros(64, 9728, dtype=torch.bfloat16), down) == "pass + bf16"
     if not torch.cuda.is_available():

@@ -131,8 +131,24 @@ def test_bench_writes_valid_json_after_every_configuration(tiny_llama, tmp_path,
 
     monkeypatch.setattr(cli_bench, "time_generation", time_generation)
     out = tmp_path / "bench.json"
-    result = runner.invoke(app, ["bench", "--model", str(tiny_llama), "--backend", "cpu", "--batch-sizes", "1,2",
-                                 "--prompt-len", "8", "--gen-len", "4", "--json", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_llama),
+            "--backend",
+            "cpu",
+            "--batch-sizes",
+            "1,2",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "4",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 1 and "the machine went away" in result.stderr
     rows = json.loads(out.read_text())
     assert [r["batch_size"] for r in rows] == [1]
@@ -142,14 +158,34 @@ def test_bench_writes_valid_json_after_every_configuration(tiny_llama, tmp_path,
 
 def test_bench_rows_carry_warm_up_and_threads(tiny_llama, tmp_path):
     out = tmp_path / "bench.json"
-    result = runner.invoke(app, ["bench", "--model", str(tiny_llama), "--backend", "cpu", "--batch-sizes", "1,2",
-                                 "--prompt-len", "8", "--gen-len", "4", "--json", str(out), "--threads", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_llama),
+            "--backend",
+            "cpu",
+            "--batch-sizes",
+            "1,2",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "4",
+            "--json",
+            str(out),
+            "--threads",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [r["batch_size"] for r in rows] == [1, 2] and {r["threads"] for r in rows} == {1}
     assert all(r["warm_up_s"] > 0 for r in rows)
     assert [line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("bench")] == [
-        "bench 1/2", "bench 2/2"]
+        "bench 1/2",
+        "bench 2/2",
+    ]
 
 
 def test_bench_json_folder_must_exist_before_the_run(tmp_path):
@@ -186,7 +222,9 @@ def test_user_errors_name_the_thread_field():
 def test_the_python_api_stays_quiet_after_a_command(tiny_llama, capsys):
     from flashnext.core.llm import LLM
 
-    assert runner.invoke(app, ["run", "hi", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "1"]
-                         ).exit_code == 0
+    assert (
+        runner.invoke(app, ["run", "hi", "--model", str(tiny_llama), "--backend", "cpu", "--max-tokens", "1"]).exit_code
+        == 0
+    )
     LLM(str(tiny_llama), backend="cpu").warm_up()
     assert capsys.readouterr().err == ""

@@ -82,8 +82,17 @@ def test_rope_table_built_in_chunks_matches_one_pass():
     from flashnext.core.config import ModelConfig
     from flashnext.core.model import rope_cache
 
-    config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
-                         num_heads=4, num_kv_heads=4, head_dim=16, max_position_embeddings=70_000)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        max_position_embeddings=70_000,
+    )
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
     angles = torch.outer(torch.arange(70_000, dtype=torch.float64), inv)
     assert torch.equal(rope_cache(config, "cpu"), torch.cat((angles.cos(), angles.sin()), -1).float())
@@ -95,9 +104,9 @@ RUNAWAY_TEMPLATES = {
     "string times 2e9": "{{ 'x' * 2000000000 }}",
     "list times 2e9": "{{ [1] * 2000000000 }}",
     "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
-                       "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}",
     "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
-                       "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "huge power": "{{ 10 ** (10 ** 9) }}",
     "huge padding": "{{ 'x'|center(2000000000) }}",
     "output past the cap": "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}",
@@ -138,7 +147,8 @@ def test_a_models_chat_template_renders_bounded(tmp_path):
 
 def test_bounded_template_still_renders_a_real_one():
     template = chat_template.compile_template(
-        "{% for m in messages %}<{{ m.role }}>{{ m.content ~ '!' }}{% endfor %}{{ 'ab' * 3 }}{{ 2 ** 10 }}", "m")
+        "{% for m in messages %}<{{ m.role }}>{{ m.content ~ '!' }}{% endfor %}{{ 'ab' * 3 }}{{ 2 ** 10 }}", "m"
+    )
     assert chat_template.render(template, "m", messages=[{"role": "user", "content": "hi"}]) == "<user>hi!ababab1024"
 
 
@@ -146,17 +156,20 @@ def test_bounded_template_still_renders_a_real_one():
 # 3. faults that were internal errors
 
 
-@pytest.mark.parametrize("name,fragment", [
-    ("block_count=8:twelve", "llama.block_count = 'twelve' is not a whole number"),
-    ("embedding_length=6:nan", "llama.embedding_length = nan is not a whole number"),
-    ("attention.head_count=9:(4, [1, 2, 3", "llama.attention.head_count = [1, 2, 3] is not a whole number"),
-    ("tokenizer.ggml.bos_token_id=1000000", "tokenizer.ggml.bos_token_id = '1000000' is not a token id"),
-    ("tokenizer.ggml.bos_token_id=1", "tokenizer.ggml.bos_token_id = '1' is not a token id"),
-    ("merges of unknown tokens", "tokenizer.ggml.merges: merge '☃ zz' needs token '☃', which the vocabulary lacks"),
-    ("merge whose result is no token", "which the vocabulary lacks"),
-    ("token types strings", "tokenizer.ggml.token_type is not a list of whole numbers"),
-    ("kv heads not dividing", "4 attention heads do not divide into 3 KV heads"),
-])
+@pytest.mark.parametrize(
+    "name,fragment",
+    [
+        ("block_count=8:twelve", "llama.block_count = 'twelve' is not a whole number"),
+        ("embedding_length=6:nan", "llama.embedding_length = nan is not a whole number"),
+        ("attention.head_count=9:(4, [1, 2, 3", "llama.attention.head_count = [1, 2, 3] is not a whole number"),
+        ("tokenizer.ggml.bos_token_id=1000000", "tokenizer.ggml.bos_token_id = '1000000' is not a token id"),
+        ("tokenizer.ggml.bos_token_id=1", "tokenizer.ggml.bos_token_id = '1' is not a token id"),
+        ("merges of unknown tokens", "tokenizer.ggml.merges: merge '☃ zz' needs token '☃', which the vocabulary lacks"),
+        ("merge whose result is no token", "which the vocabulary lacks"),
+        ("token types strings", "tokenizer.ggml.token_type is not a list of whole numbers"),
+        ("kv heads not dividing", "4 attention heads do not divide into 3 KV heads"),
+    ],
+)
 def test_gguf_metadata_of_the_wrong_type_or_range_is_named(gguf_base, name, fragment):
     refused(gguf_variant(gguf_base, name), fragment)
 
@@ -188,14 +201,17 @@ def test_bit_flips_in_the_real_smollm2_header_are_refused_or_run(tmp_path):
     assert set(outcomes) <= {"refused", "ok"} and "refused" in outcomes, outcomes
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("hidden_size", [64], "field 'hidden_size' = [64] is invalid"),
-    ("architectures", [["LlamaForCausalLM"]], "architecture"),
-    ("architectures", 5, "field 'architectures' = 5 must be a list"),
-    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [1e400, 1]}, "weight_block_size"),
-    ("head_dim", 15, "head_dim 15 is odd"),
-    ("num_key_value_heads", 3, "4 attention heads do not divide into 3 KV heads"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("hidden_size", [64], "field 'hidden_size' = [64] is invalid"),
+        ("architectures", [["LlamaForCausalLM"]], "architecture"),
+        ("architectures", 5, "field 'architectures' = 5 must be a list"),
+        ("quantization_config", {"quant_method": "fp8", "weight_block_size": [1e400, 1]}, "weight_block_size"),
+        ("head_dim", 15, "head_dim 15 is odd"),
+        ("num_key_value_heads", 3, "4 attention heads do not divide into 3 KV heads"),
+    ],
+)
 def test_config_of_the_wrong_type_or_shape_is_named(tmp_path, field, value, fragment):
     folder = write_tiny_hf_model(tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())
@@ -233,14 +249,17 @@ def test_path_longer_than_the_file_system_allows_is_named(tmp_path):
 # 4. damage that was silently accepted
 
 
-@pytest.mark.parametrize("name,fragment", [
-    ("tensor offset wrap", "offset 18446744073709551552"),
-    ("tensor offset misaligned", "is not a multiple of the alignment 32"),
-    ("block_count one short", "the weights have layer 1 but the config counts 1 layers"),
-    ("rope.freq_base=inf", "llama.rope.freq_base = inf is not a finite number > 0"),
-    ("rope scaling linear factor 0", "llama.rope.scaling.factor = 0.0 is not a finite number > 0"),
-    ("norm weight as int32", "tensor output_norm.weight is I32"),
-])
+@pytest.mark.parametrize(
+    "name,fragment",
+    [
+        ("tensor offset wrap", "offset 18446744073709551552"),
+        ("tensor offset misaligned", "is not a multiple of the alignment 32"),
+        ("block_count one short", "the weights have layer 1 but the config counts 1 layers"),
+        ("rope.freq_base=inf", "llama.rope.freq_base = inf is not a finite number > 0"),
+        ("rope scaling linear factor 0", "llama.rope.scaling.factor = 0.0 is not a finite number > 0"),
+        ("norm weight as int32", "tensor output_norm.weight is I32"),
+    ],
+)
 def test_damaged_gguf_is_no_longer_accepted(gguf_base, name, fragment):
     refused(gguf_variant(gguf_base, name), fragment)
 
@@ -249,12 +268,15 @@ def test_qwen3_gguf_without_qk_norms_is_refused(gguf_base):
     refused(gguf_variant(gguf_base, "qwen3 without q/k norms", "qwen3"), "self_attn.q_norm.weight is missing")
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("rope_theta", float("inf"), "rope_theta = inf is not finite"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 0}, "rope_scaling.factor = 0.0 must be a finite number > 0"),
-    ("rope_scaling", {"rope_type": "linear", "factor": -2}, "rope_scaling.factor = -2.0"),
-    ("num_hidden_layers", 1, "the weights have layer 1 but the config counts 1 layers"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("rope_theta", float("inf"), "rope_theta = inf is not finite"),
+        ("rope_scaling", {"rope_type": "linear", "factor": 0}, "rope_scaling.factor = 0.0 must be a finite number > 0"),
+        ("rope_scaling", {"rope_type": "linear", "factor": -2}, "rope_scaling.factor = -2.0"),
+        ("num_hidden_layers", 1, "the weights have layer 1 but the config counts 1 layers"),
+    ],
+)
 def test_damaged_config_is_no_longer_accepted(tmp_path, field, value, fragment):
     folder = write_tiny_hf_model(tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())
@@ -341,8 +363,13 @@ def test_cli_exits_2_with_one_line(tmp_path, name):
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     env = os.environ | {"FLASHNEXT_CACHE_DIR": "off"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "flashnext"), "run", "--model", str(path), "hi",
-                           "--max-tokens", "4"], capture_output=True, text=True, timeout=120, preexec_fn=limit,
-                          env=env)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "flashnext"), "run", "--model", str(path), "hi", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+        env=env,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-800:]

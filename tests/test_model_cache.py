@@ -17,8 +17,13 @@ def same_weights(a: dict, b: dict) -> bool:
     for name, w in a.items():
         v = b[name]
         if isinstance(w, Int4Weight):
-            if not (isinstance(v, Int4Weight) and w.group_size == v.group_size and torch.equal(w.packed, v.packed)
-                    and torch.equal(w.scales, v.scales) and torch.equal(w.offsets, v.offsets)):
+            if not (
+                isinstance(v, Int4Weight)
+                and w.group_size == v.group_size
+                and torch.equal(w.packed, v.packed)
+                and torch.equal(w.scales, v.scales)
+                and torch.equal(w.offsets, v.offsets)
+            ):
                 return False
         elif not torch.equal(w, v):
             return False
@@ -73,14 +78,18 @@ def _damage_config_vocab(entry):
     (entry / "config.json").write_text(json.dumps(cfg | {"vocab_size": 5}))
 
 
-@pytest.mark.parametrize("damage", [
-    _damage_weights,
-    lambda e: (e / "tokenizer_meta.json").write_text("{not json"),
-    lambda e: (e / "tokenizer_meta.json").write_text('{"bos_token_id": "x"}'),
-    lambda e: (e / "tokenizer.json").write_bytes(b"\xff\xfe"),
-    lambda e: (e / "config.json").unlink(),
-    _damage_config_vocab,
-], ids=["weights header", "meta json", "meta fields", "tokenizer bytes", "config gone", "config vocab"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _damage_weights,
+        lambda e: (e / "tokenizer_meta.json").write_text("{not json"),
+        lambda e: (e / "tokenizer_meta.json").write_text('{"bos_token_id": "x"}'),
+        lambda e: (e / "tokenizer.json").write_bytes(b"\xff\xfe"),
+        lambda e: (e / "config.json").unlink(),
+        _damage_config_vocab,
+    ],
+    ids=["weights header", "meta json", "meta fields", "tokenizer bytes", "config gone", "config vocab"],
+)
 def test_damaged_cache_entry_is_rebuilt_with_one_warning(tmp_path, monkeypatch, capsys, damage):
     monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"

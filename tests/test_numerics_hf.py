@@ -11,10 +11,10 @@ import transformers
 from safetensors.torch import save_file
 
 from fixtures import write_tiny_hf_model
-from numerics import SMOLLM_PROMPTS, engine_logits, relative_errors
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
+from numerics import SMOLLM_PROMPTS, engine_logits, relative_errors
 
 REL_TOL = 1e-4
 GEN_TOKENS = 32
@@ -27,9 +27,13 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def hf_no_eos(model):
@@ -60,14 +64,24 @@ def hf_llama_from_loaded(loaded, folder):
     """A transformers LlamaForCausalLM holding exactly our dequantized weights (canonical names are HF's)."""
     c = loaded.config
     hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_ids[0],
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_ids[0],
     )
-    state = {k: (w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)).float().contiguous()
-             for k, w in loaded.weights.items()}
+    state = {
+        k: (w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)).float().contiguous()
+        for k, w in loaded.weights.items()
+    }
     hf_config.save_pretrained(folder)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
@@ -102,8 +116,13 @@ def test_smollm2_reference_is_the_same_weights(smollm):
 # ---------------------------------------------------------------------------------------------------------------
 # Tiny random models of each family against transformers' own classes
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 TINY_CASES = {
     "llama-untied": dict(arch="llama", tie=False),
@@ -123,10 +142,15 @@ def test_tiny_model_matches_transformers(tmp_path, case):
     spec = dict(TINY_CASES[case])
     folder = write_tiny_hf_model(tmp_path / case, seed=len(case), **spec)
     loaded = load_model(str(folder))
-    hf_model = hf_no_eos(transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager").eval())
-    assert type(hf_model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM"}[spec["arch"]]
+    hf_model = hf_no_eos(
+        transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    )
+    assert (
+        type(hf_model).__name__
+        == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[spec["arch"]]
+    )
     if "rope_scaling" in spec:
         assert loaded.config.rope_scaling.type == "llama3"
         assert hf_model.config.rope_parameters["rope_type"] == "llama3"

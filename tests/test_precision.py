@@ -155,7 +155,7 @@ def test_fp8_block_scaled_weight_layout():
         w.select_rows(torch.tensor([0]))
     per_row = get_precision("fp8-e4m3").quantize(w)
     assert per_row.block is None and per_row.per_channel
-    assert torch.allclose(per_row.dequantize(), expected, rtol=1 / 16, atol=float(per_row.scale.max()) * 2.0 ** -9)
+    assert torch.allclose(per_row.dequantize(), expected, rtol=1 / 16, atol=float(per_row.scale.max()) * 2.0**-9)
 
 
 @pytest.mark.gpu
@@ -165,8 +165,13 @@ def test_weights_quantized_on_the_gpu_are_the_cpus_bytes():
     (CUDA's division by a host scalar, a multiply by its reciprocal, moved scales by a bit and values with them)."""
     w = torch.randn(512, 1024, generator=gen()) * torch.rand(512, 1, generator=gen(1)).exp() * 0.02
     w[0, :4] = torch.tensor([1e-30, -1e-30, 3e4, -7.0])
-    makers = [int4_quantize, lambda x: int4_quantize(x, 64, symmetric=False), fp8_quantize,
-              lambda x: fp8_quantize(x, "fp8-e5m2"), lambda x: fp8_quantize(x, per_channel=False)]
+    makers = [
+        int4_quantize,
+        lambda x: int4_quantize(x, 64, symmetric=False),
+        fp8_quantize,
+        lambda x: fp8_quantize(x, "fp8-e5m2"),
+        lambda x: fp8_quantize(x, per_channel=False),
+    ]
     for make in makers:
         cpu, gpu = make(w), make(w.cuda())
         for field in ("packed", "scales", "offsets", "data", "scale"):

@@ -83,8 +83,11 @@ def _head_engines(loaded, precision: str) -> tuple[LLMEngine, LLMEngine, Profile
     """Engines of `precision` weights with quantize_lm_head and without, and the profile that asks for it."""
     backend = QuantizedHeadBackend()
     asked = backend.profiles()["full"].overridden(quantize_lm_head=True)
-    return LLMEngine(backend, loaded, precision, asked), LLMEngine(backend, loaded, precision,
-                                                                   backend.profiles()["full"]), asked
+    return (
+        LLMEngine(backend, loaded, precision, asked),
+        LLMEngine(backend, loaded, precision, backend.profiles()["full"]),
+        asked,
+    )
 
 
 def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can(loaded, reference):
@@ -92,27 +95,30 @@ def test_quantize_lm_head_stores_the_head_in_the_precision_where_the_backend_can
     weight (a tied embedding table stays dense for the lookup) and the logits stay within fp8's bound of fp32. Off
     by default; a no-op for 16-bit weights; refused, naming the setting, where the backend cannot."""
     from flashnext.core.errors import UserError
-    from flashnext.core.precision import Fp8Weight, PRECISIONS
+    from flashnext.core.precision import PRECISIONS, Fp8Weight
     from flashnext.plugins.cuda import CudaBackend
 
     engine, dense, asked = _head_engines(loaded, "fp8-e4m3")
     assert isinstance(engine.model.lm_head, Fp8Weight) and isinstance(dense.model.lm_head, torch.Tensor)
     assert torch.equal(engine.model.embed, dense.model.embed)
     quantized, unquantized = prompt_logits(engine, PROMPT), prompt_logits(dense, PROMPT)
-    assert 0 < nmse(quantized, unquantized) and nmse(quantized, reference) < 3e-2
+    assert nmse(quantized, unquantized) > 0 and nmse(quantized, reference) < 3e-2
     assert LLMEngine(QuantizedHeadBackend(), loaded, "bf16", asked).model.lm_head.dtype == torch.bfloat16
     with pytest.raises(UserError, match="quantize_lm_head"):
         LLMEngine(CpuBackend(), loaded, "fp8-e4m3", asked)
     fp8_cores = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [True, False,
-                                                                                                 fp8_cores]
+    assert [CudaBackend().quantized_head(PRECISIONS[p]) for p in ("fp8-e4m3", "bf16", "int4")] == [
+        True,
+        False,
+        fp8_cores,
+    ]
 
 
 def test_int4_weights_keep_a_quantized_lm_head_in_fp8(loaded):
     """Int4 weights' quantized head is fp8-e4m3 (Precision.head): the logits move by fp8's rounding of the head,
     the projections stay int4, and a backend that cannot keep it says which head it was asked for."""
     from flashnext.core.errors import UserError
-    from flashnext.core.precision import Fp8Weight, Int4Weight, PRECISIONS
+    from flashnext.core.precision import PRECISIONS, Fp8Weight, Int4Weight
 
     engine, dense, asked = _head_engines(loaded, "int4")
     assert PRECISIONS["int4"].head.name == "fp8-e4m3" and PRECISIONS["fp8-e4m3"].head.name == "fp8-e4m3"
@@ -123,12 +129,19 @@ def test_int4_weights_keep_a_quantized_lm_head_in_fp8(loaded):
         LLMEngine(CpuBackend(), loaded, "int4", asked)
 
 
-@pytest.mark.parametrize("capability,stored,expected", [
-    ((9, 0), "fp8-e4m3", "fp8-e4m3"), ((8, 9), "fp8-e4m3", "fp8-e4m3"), ((8, 6), "fp8-e4m3", "bf16"),
-    ((9, 0), "fp8-e5m2", "bf16"), ((9, 0), "bf16", "bf16"),
-])
-def test_cuda_runs_an_fp8_checkpoint_in_fp8_where_the_gpu_has_fp8_tensor_cores(monkeypatch, capability, stored,
-                                                                               expected):
+@pytest.mark.parametrize(
+    "capability,stored,expected",
+    [
+        ((9, 0), "fp8-e4m3", "fp8-e4m3"),
+        ((8, 9), "fp8-e4m3", "fp8-e4m3"),
+        ((8, 6), "fp8-e4m3", "bf16"),
+        ((9, 0), "fp8-e5m2", "bf16"),
+        ((9, 0), "bf16", "bf16"),
+    ],
+)
+def test_cuda_runs_an_fp8_checkpoint_in_fp8_where_the_gpu_has_fp8_tensor_cores(
+    monkeypatch, capability, stored, expected
+):
     """An e4m3 checkpoint keeps its bytes (half bf16's memory) on Ada / Hopper and later; older GPUs, whose
     fp8-e4m3 request is refused naming the GPU, run it as bf16 values."""
     import flashnext.plugins.cuda as cuda_plugin

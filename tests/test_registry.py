@@ -158,8 +158,15 @@ def test_in_tree_features_json_is_derived_from_the_typed_capabilities():
     from flashnext.plugins.cuda import CudaBackend
 
     cpu, cuda = CpuBackend().features, CudaBackend().features
-    assert cpu == {"cuda_graphs": False, "chunked_prefill": True, "prefix_caching": True, "spec_decode": True,
-                   "fp8_kv_cache": True, "static_shapes": False, "unified_memory": True}
+    assert cpu == {
+        "cuda_graphs": False,
+        "chunked_prefill": True,
+        "prefix_caching": True,
+        "spec_decode": True,
+        "fp8_kv_cache": True,
+        "static_shapes": False,
+        "unified_memory": True,
+    }
     assert cuda["cuda_graphs"] and cuda["spec_decode"] and cuda["int4_weights"] and not cuda["unified_memory"]
 
 

@@ -14,14 +14,36 @@ from flashnext.plugins.rknpu.runtime import StaticModel
 
 # What the RK3588 NPU runs natively among the ops a decoder needs; Pow, Shape and friends would go to the CPU or
 # need folding first.
-NPU_OPS = {"Constant", "MatMul", "Add", "Sub", "Mul", "Div", "Sqrt", "ReduceMean", "Reshape", "Transpose", "Slice",
-           "Concat", "Softmax", "Sigmoid"}
+NPU_OPS = {
+    "Constant",
+    "MatMul",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Sqrt",
+    "ReduceMean",
+    "Reshape",
+    "Transpose",
+    "Slice",
+    "Concat",
+    "Softmax",
+    "Sigmoid",
+}
 
 
 def test_export_writes_static_graphs_tokenizer_config_and_manifest(rknpu_export):
     folder, manifest = rknpu_export
-    for name in ("decode.onnx", "prefill.onnx", "weights.bin", "embedding.npy", "tokenizer.json",
-                 "tokenizer_config.json", "config.json", "manifest.json"):
+    for name in (
+        "decode.onnx",
+        "prefill.onnx",
+        "weights.bin",
+        "embedding.npy",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "manifest.json",
+    ):
         assert (folder / name).is_file(), name
     assert json.loads((folder / "manifest.json").read_text()) == manifest
     assert (manifest["batch"], manifest["chunk"], manifest["context"], manifest["precision"]) == (4, 16, 128, "int4")
@@ -46,8 +68,11 @@ def test_graphs_hold_only_npu_ops_and_share_one_weights_file(rknpu_export):
         proto = onnx.load(str(folder / f"{name}.onnx"), load_external_data=False)
         assert {n.op_type for n in proto.graph.node} <= NPU_OPS
         assert all(d.dim_value > 0 and not d.dim_param for v in proto.graph.input for d in v.type.tensor_type.shape.dim)
-        external = {t.name: {e.key: e.value for e in t.external_data} for t in proto.graph.initializer
-                    if t.data_location == onnx.TensorProto.EXTERNAL}
+        external = {
+            t.name: {e.key: e.value for e in t.external_data}
+            for t in proto.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+        }
         sizes[name] = external
     assert sizes["decode"] == sizes["prefill"] and sizes["decode"]  # same names at the same offsets
     total = sum(int(e["length"]) for e in sizes["decode"].values())
@@ -108,10 +133,27 @@ def test_cli_export_writes_the_folder_and_refuses_unknown_targets(tiny_llama, tm
     from flashnext.core.cli import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["export", "--target", "rk3588", "--model", str(tiny_llama), "--out",
-                                 str(tmp_path / "out"), "--chunk", "16", "--context", "64", "--no-check"])
+    result = runner.invoke(
+        app,
+        [
+            "export",
+            "--target",
+            "rk3588",
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(tmp_path / "out"),
+            "--chunk",
+            "16",
+            "--context",
+            "64",
+            "--no-check",
+        ],
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads(result.stdout)
     assert manifest["context"] == 64 and (tmp_path / "out" / "decode.onnx").is_file() and "checks" not in manifest
     result = runner.invoke(app, ["export", "--target", "rk3399", "--model", str(tiny_llama), "--out", str(tmp_path)])
-    assert result.exit_code == 2 and "--target rk3399: no installed backend exports it (targets: rk3588)" in result.stderr
+    assert (
+        result.exit_code == 2 and "--target rk3399: no installed backend exports it (targets: rk3588)" in result.stderr
+    )

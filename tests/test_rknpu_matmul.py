@@ -9,8 +9,14 @@ import torch
 
 from flashnext.core.errors import UserError
 from flashnext.core.precision import int4_quantize
-from flashnext.plugins.rknpu.matmul import (RKNN_INT4_MM_INT4_TO_INT16, Int4Matmul, MatmulInfo, TensorMem,
-                                            int4_linear, quantize_rows_int4)
+from flashnext.plugins.rknpu.matmul import (
+    RKNN_INT4_MM_INT4_TO_INT16,
+    Int4Matmul,
+    MatmulInfo,
+    TensorMem,
+    int4_linear,
+    quantize_rows_int4,
+)
 from flashnext.plugins.rknpu.runtime import NpuRuntimeError
 
 
@@ -88,9 +94,14 @@ def test_int4_product_round_trips_through_the_runtime_buffers():
     assert ("core_mask", 7) in lib.calls and lib.calls[-1] == "destroy" and lib.calls.count("destroy_mem") == 3
 
 
-@pytest.mark.parametrize("fail, message", [("create", "rknn_matmul_create failed with -1"),
-                                           ("mem", "rknn_create_mem.*returned NULL"),
-                                           ("run", "rknn_matmul_run failed with -5")])
+@pytest.mark.parametrize(
+    "fail, message",
+    [
+        ("create", "rknn_matmul_create failed with -1"),
+        ("mem", "rknn_create_mem.*returned NULL"),
+        ("run", "rknn_matmul_run failed with -5"),
+    ],
+)
 def test_each_runtime_failure_is_one_clear_error(fail, message):
     with pytest.raises(NpuRuntimeError, match=message):
         mm = Int4Matmul(4, 64, 64, FakeRknnrt(fail))

@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import pytest
-from rknpu_fakes import fake_rknnlite
 
 from flashnext.plugins.cpu import CpuBackend
 from flashnext.plugins.rknpu import RknpuBackend
 from flashnext.plugins.rknpu import probe as board
+from rknpu_fakes import fake_rknnlite
 
 ROOTS = Path(__file__).parent / "fixtures" / "rk3588"
 

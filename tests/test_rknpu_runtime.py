@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-from rknpu_fakes import FakeRKNNLite, converted_copy, fake_rknnlite
 from typer.testing import CliRunner
 
 from flashnext.core.cli import app
@@ -16,6 +15,7 @@ from flashnext.core.llm import resolve_profile
 from flashnext.plugins.cpu import CpuBackend
 from flashnext.plugins.rknpu import RknpuBackend
 from flashnext.plugins.rknpu.runtime import NpuRuntimeError, RknnLiteSession
+from rknpu_fakes import FakeRKNNLite, converted_copy, fake_rknnlite
 
 ROCK5B = Path(__file__).parent / "fixtures" / "rk3588" / "rock5b"
 PROMPTS = [[5, 9, 33, 70, 101, 7], [40, 41, 42], list(range(60, 100)), [200, 3], [17] * 20]
@@ -31,9 +31,14 @@ def engine(backend, folder, profile=None, **overrides):
     return LLMEngine(backend, loaded, None, resolve_profile(backend, profile, overrides))
 
 
-@pytest.mark.parametrize("call, message", [("load_rknn", "load_rknn failed"),
-                                           ("init_runtime", r"init_runtime\(core_mask=7\) failed"),
-                                           ("inference", "inference returned no outputs")])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ("load_rknn", "load_rknn failed"),
+        ("init_runtime", r"init_runtime\(core_mask=7\) failed"),
+        ("inference", "inference returned no outputs"),
+    ],
+)
 def test_each_failed_rknnlite_call_is_one_clear_error(converted, call, message):
     module = fake_rknnlite()
     FakeRKNNLite.fail = {call}
@@ -54,8 +59,9 @@ def test_npu_profile_runs_the_rknn_graphs_on_the_cores_it_names(converted, rknpu
     assert sorted(Path(p).name for p in loads) == ["decode.rknn", "prefill.rknn"]
     onnx = engine(RknpuBackend(ROCK5B), rknpu_export[0], "onnxruntime")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    assert [s.output_ids for s in npu.generate(PROMPTS[:2], params)] == \
-        [s.output_ids for s in onnx.generate(PROMPTS[:2], params)]
+    assert [s.output_ids for s in npu.generate(PROMPTS[:2], params)] == [
+        s.output_ids for s in onnx.generate(PROMPTS[:2], params)
+    ]
     assert any(call == "inference" for call, _ in FakeRKNNLite.log)
 
 
@@ -111,8 +117,9 @@ def test_more_than_four_sequences_is_refused(rknpu_export):
 def test_cli_runs_the_exported_folder_and_refuses_fp8(rknpu_export):
     runner = CliRunner()
     folder = str(rknpu_export[0])
-    result = runner.invoke(app, ["run", "hello", "--backend", "rknpu", "--model", folder, "--max-tokens", "80",
-                                 "--json"])
+    result = runner.invoke(
+        app, ["run", "hello", "--backend", "rknpu", "--model", folder, "--max-tokens", "80", "--json"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["backend"] == "rknpu" and report["precision"] == "int4" and report["completion_tokens"] <= 64
@@ -120,9 +127,13 @@ def test_cli_runs_the_exported_folder_and_refuses_fp8(rknpu_export):
     result = runner.invoke(app, ["run", "hi", "--backend", "rknpu", "--model", folder, "--precision", "fp8-e4m3"])
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if not line.endswith(" s)")]  # progress stages before it
-    assert errors == [("error: backend 'rknpu' does not run fp8-e4m3: RK3588's NPU has no FP8 type "
-                                     "and FP8 work falls back to the CPU at ~17x the latency; use --precision int4 "
-                                     "(default) or fp16")]
+    assert errors == [
+        (
+            "error: backend 'rknpu' does not run fp8-e4m3: RK3588's NPU has no FP8 type "
+            "and FP8 work falls back to the CPU at ~17x the latency; use --precision int4 "
+            "(default) or fp16"
+        )
+    ]
 
 
 def test_a_checkpoint_given_directly_is_exported_on_the_fly(tiny_llama):
@@ -136,9 +147,8 @@ def test_serve_queues_a_fifth_concurrent_request_and_caps_max_tokens(rknpu_expor
     """Five completions at once over HTTP: all answer (one waits for a slot), each at most 64 tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from test_server import running
-
     from flashnext.core.llm import LLM
+    from test_server import running
 
     llm = LLM(str(rknpu_export[0]), backend="rknpu")
     with running(llm) as client:

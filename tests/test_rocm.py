@@ -11,8 +11,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rocm_fakes import fake_amdsmi, fake_flash_attn, install_rocm_smi, no_amdsmi, path_with_only, rocm_torch
-
 from flashnext.core import registry
 from flashnext.core.cli import app
 from flashnext.core.errors import UserError
@@ -22,6 +20,7 @@ from flashnext.plugins.cuda import CudaBackend, cuda_probe
 from flashnext.plugins.rocm import RocmBackend, attention, clocks
 from flashnext.plugins.rocm.attention import FlashAttnPrefill, choose_attention
 from flashnext.plugins.rocm.device import GFX_TARGETS
+from rocm_fakes import fake_amdsmi, fake_flash_attn, install_rocm_smi, no_amdsmi, path_with_only, rocm_torch
 
 runner = CliRunner()
 
@@ -105,21 +104,26 @@ def test_neither_amdsmi_nor_rocm_smi_says_how_to_get_one():
 
 
 def test_text_parser_takes_the_highest_supported_level_and_letter_levels():
-    text = ("GPU[3]\t\t: mclk clock level: S: (96Mhz)\nGPU[3]\t\t: Supported mclk frequencies on GPU3\n"
-            "GPU[3]\t\t: 0: 96Mhz *\nGPU[3]\t\t: 1: 456Mhz\nGPU[3]\t\t: 2: 1124Mhz\nGPU[3]\t\t: \n"
-            "GPU[3]\t\t: Supported sclk frequencies on GPU3\nGPU[3]\t\t: 0: 2500Mhz\n")
+    text = (
+        "GPU[3]\t\t: mclk clock level: S: (96Mhz)\nGPU[3]\t\t: Supported mclk frequencies on GPU3\n"
+        "GPU[3]\t\t: 0: 96Mhz *\nGPU[3]\t\t: 1: 456Mhz\nGPU[3]\t\t: 2: 1124Mhz\nGPU[3]\t\t: \n"
+        "GPU[3]\t\t: Supported sclk frequencies on GPU3\nGPU[3]\t\t: 0: 2500Mhz\n"
+    )
     assert [(c.gpu, c.mhz, c.max_mhz) for c in clocks.parse_rocm_smi_text(text)] == [(3, 96, 1124)]
 
 
 # -- probes by gfx target -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gpu, fixture, gfx, fp8, flash", [
-    ("mi300x", "amdsmi_mi300x_full.json", "gfx942", "float8_e4m3fnuz / float8_e5m2fnuz", True),
-    ("mi355x", None, "gfx950", "float8_e4m3fn / float8_e5m2", True),
-    ("mi210", "amdsmi_rocm57_mi210.json", "gfx90a", "none: gfx90a has no FP8", True),
-    ("rx7900", None, "gfx1100", "none: gfx1100 has no FP8", False),
-])
+@pytest.mark.parametrize(
+    "gpu, fixture, gfx, fp8, flash",
+    [
+        ("mi300x", "amdsmi_mi300x_full.json", "gfx942", "float8_e4m3fnuz / float8_e5m2fnuz", True),
+        ("mi355x", None, "gfx950", "float8_e4m3fn / float8_e5m2", True),
+        ("mi210", "amdsmi_rocm57_mi210.json", "gfx90a", "none: gfx90a has no FP8", True),
+        ("rx7900", None, "gfx1100", "none: gfx1100 has no FP8", False),
+    ],
+)
 def test_probe_gates_on_the_gfx_name(monkeypatch, gpu, fixture, gfx, fp8, flash):
     rocm_torch(monkeypatch, gpu, count=8)
     if fixture:
@@ -130,10 +134,13 @@ def test_probe_gates_on_the_gfx_name(monkeypatch, gpu, fixture, gfx, fp8, flash)
     assert GFX_TARGETS[gfx].flash_attn is flash
 
 
-@pytest.mark.parametrize("gpu, e4m3, e5m2", [
-    ("mi300x", torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
-    ("mi355x", torch.float8_e4m3fn, torch.float8_e5m2),
-])
+@pytest.mark.parametrize(
+    "gpu, e4m3, e5m2",
+    [
+        ("mi300x", torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
+        ("mi355x", torch.float8_e4m3fn, torch.float8_e5m2),
+    ],
+)
 def test_fp8_is_stored_in_the_targets_format(monkeypatch, gpu, e4m3, e5m2):
     rocm_torch(monkeypatch, gpu)
     backend = RocmBackend()
@@ -146,6 +153,7 @@ def test_fp8_is_stored_in_the_targets_format(monkeypatch, gpu, e4m3, e5m2):
 def test_fp8_is_refused_by_gfx_name_not_by_major_minor(monkeypatch, gpu, gfx):
     rocm_torch(monkeypatch, gpu)
     from rocm_fakes import GPUS
+
     assert (GPUS[gpu].major, GPUS[gpu].minor) >= (8, 9)  # what a CUDA-style capability test would let through
     backend = RocmBackend()
     for precision in ("fp8-e4m3", "fp8-e5m2"):
@@ -156,9 +164,11 @@ def test_fp8_is_refused_by_gfx_name_not_by_major_minor(monkeypatch, gpu, gfx):
 
 def test_product_from_the_pci_device_id_when_torch_names_it_generically(monkeypatch, tmp_path):
     rocm_torch(monkeypatch, "mi300x")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index=0: types.SimpleNamespace(**{**vars(__import__("rocm_fakes").GPUS["mi300x"]),
-                                                                 "name": ""}))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index=0: types.SimpleNamespace(**{**vars(__import__("rocm_fakes").GPUS["mi300x"]), "name": ""}),
+    )
     mod = use_amdsmi(monkeypatch, "amdsmi_mi300x_full.json")
     original = mod.amdsmi_get_gpu_asic_info
     mod.amdsmi_get_gpu_asic_info = lambda h: original(h) | {"device_id": "0x74a5", "market_name": "N/A"}
@@ -228,12 +238,15 @@ def paged_step(head_dim: int, query_lens, context_lens, dtype=torch.float16, blo
     order = torch.randperm(sum(blocks_each)).tolist()
     tables, start = [], 0
     for n in blocks_each:
-        tables.append(order[start:start + n])
+        tables.append(order[start : start + n])
         start += n
     k_cache = torch.randn(len(order), block_size, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(len(order), block_size, kv_heads, head_dim).to(dtype)
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, q, c in zip(tables, query_lens, context_lens) for p in range(c - q, c)]
+    slots = [
+        t[p // block_size] * block_size + p % block_size
+        for t, q, c in zip(tables, query_lens, context_lens)
+        for p in range(c - q, c)
+    ]
     meta = AttentionMetadata.from_host(slots, list(query_lens), list(context_lens), tables, "cpu")
     q = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
     return q, k_cache, v_cache, meta
@@ -259,11 +272,14 @@ def test_flash_prefill_passes_the_varlen_arguments_and_matches_the_reference(mon
     assert call["causal"] is True and call["softmax_scale"] == 0.125 and call["k"].shape == (20, 2, 64)
 
 
-@pytest.mark.parametrize("head_dim, query_lens, context_lens, dtype", [
-    (512, [5], [5], torch.float16),  # head dim past flash_attn's 256
-    (64, [1, 1], [5, 7], torch.float16),  # decode
-    (64, [5], [5], torch.float32),  # not 16-bit
-])
+@pytest.mark.parametrize(
+    "head_dim, query_lens, context_lens, dtype",
+    [
+        (512, [5], [5], torch.float16),  # head dim past flash_attn's 256
+        (64, [1, 1], [5, 7], torch.float16),  # decode
+        (64, [5], [5], torch.float32),  # not 16-bit
+    ],
+)
 def test_steps_flash_attn_cannot_take_stay_on_the_kernel_below(monkeypatch, head_dim, query_lens, context_lens, dtype):
     calls = fake_flash_attn(monkeypatch)
     kernels = flash_kernels(monkeypatch)
@@ -314,8 +330,9 @@ def test_full_clocks_pass_strict(monkeypatch, capsys):
 def test_cli_strict_clocks_is_a_one_line_refusal_exit_2(monkeypatch, tiny_llama):
     rocm_torch(monkeypatch, "mi300x")
     use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
-    result = runner.invoke(app, ["run", "hello", "--model", str(tiny_llama), "--backend", "rocm", "--strict-clocks",
-                                 "--max-tokens", "1"])
+    result = runner.invoke(
+        app, ["run", "hello", "--model", str(tiny_llama), "--backend", "rocm", "--strict-clocks", "--max-tokens", "1"]
+    )
     assert result.exit_code == 2
     lines = [x for x in result.output.strip().splitlines() if not x.endswith(" s)")]  # progress stages before it
     assert len(lines) == 1 and lines[0].startswith("error: HBM memory clock below its maximum under load")
@@ -340,13 +357,16 @@ def test_memory_clock_reaches_metrics_and_health(monkeypatch, tiny_llama):
     assert "flashnext_device_memory_clock_max_mhz 1300.0" in text
     health = json.loads(Server(llm).health().body)
     assert health["device"]["memory_clock_mhz"] == 900.0 and health["device"]["memory_clock_max_mhz"] == 1300.0
-    assert health["device"]["attention"]["prefill"] == "triton" and "flash_attn" in health["device"]["attention"]["reason"]
+    assert (
+        health["device"]["attention"]["prefill"] == "triton" and "flash_attn" in health["device"]["attention"]["reason"]
+    )
     assert smi.calls["init"] == opened + 1  # a scrape and a /health moments apart share one reading
 
 
 def test_unreadable_telemetry_is_left_out_and_other_kinds_are_exposed():
-    from flashnext.core.metrics import device_metrics
     from prometheus_client import CollectorRegistry, generate_latest
+
+    from flashnext.core.metrics import device_metrics
 
     class Device:
         def __init__(self, telemetry):
@@ -376,14 +396,21 @@ EXPLAIN_CASES = {
     "amdsmi-missing-rocm-smi-present": ("mi300x", None, "rocm_smi_mi300x_low_hbm.txt", "(rocm-smi): GPU 0 900 MHz"),
     "neither-present": ("mi300x", None, None, "memory clock unknown: amdsmi is not installed"),
     "mi210-rocm57-amdsmi": ("mi210", "amdsmi_rocm57_mi210.json", None, "GPU 0 1600 MHz of 1600 MHz"),
-    "mi355x-rocm-smi-json-only": ("mi355x", None, (None, "rocm_smi_mi300x_showclocks.json"),
-                                  "(rocm-smi --json): GPU 0 900 MHz of N/A"),
+    "mi355x-rocm-smi-json-only": (
+        "mi355x",
+        None,
+        (None, "rocm_smi_mi300x_showclocks.json"),
+        "(rocm-smi --json): GPU 0 900 MHz of N/A",
+    ),
     "rx7900-neither-present": ("rx7900", None, None, "memory clock unknown"),
     "mi300x-flash-attn-present": ("mi300x", "amdsmi_mi300x_full.json", None, "GPU 0 1300 MHz of 1300 MHz"),
 }
-TARGET_FACTS = {"mi300x": ("gfx942", "float8_e4m3fnuz / float8_e5m2fnuz"), "mi355x": ("gfx950", "float8_e4m3fn / "
-                "float8_e5m2"), "mi210": ("gfx90a", "none: gfx90a has no FP8"), "rx7900": ("gfx1100", "none: gfx1100 "
-                "has no FP8")}
+TARGET_FACTS = {
+    "mi300x": ("gfx942", "float8_e4m3fnuz / float8_e5m2fnuz"),
+    "mi355x": ("gfx950", "float8_e4m3fn / float8_e5m2"),
+    "mi210": ("gfx90a", "none: gfx90a has no FP8"),
+    "rx7900": ("gfx1100", "none: gfx1100 has no FP8"),
+}
 
 
 def render_explain(monkeypatch, tmp_path, case: str) -> str:

@@ -5,8 +5,15 @@ import pytest
 import torch
 
 from flashnext.core.errors import UserError
-from flashnext.core.precision import (FP8_FORMATS, PRECISIONS, Fp8Weight, concat_rows, fp8_quantize,
-                                      fp8_quantize_per_token, validate_weight)
+from flashnext.core.precision import (
+    FP8_FORMATS,
+    PRECISIONS,
+    Fp8Weight,
+    concat_rows,
+    fp8_quantize,
+    fp8_quantize_per_token,
+    validate_weight,
+)
 
 FNUZ = [FP8_FORMATS[torch.float8_e4m3fnuz], FP8_FORMATS[torch.float8_e5m2fnuz]]
 IDS = [f.name for f in FNUZ]
@@ -74,7 +81,7 @@ def test_all_zero_weights_and_activations(fmt):
     assert (x.view(torch.uint8) == 0).all() and (scale == 1).all()
 
 
-@pytest.mark.parametrize("fmt, bound", [(FNUZ[0], 2.0 ** -4), (FNUZ[1], 2.0 ** -3)], ids=IDS)
+@pytest.mark.parametrize("fmt, bound", [(FNUZ[0], 2.0**-4), (FNUZ[1], 2.0**-3)], ids=IDS)
 def test_round_trip_error_bound(fmt, bound):
     """Rounding to nearest: at most half a step, 2^-(mantissa bits + 1) of a normal value's magnitude."""
     torch.manual_seed(1)
@@ -108,7 +115,7 @@ def test_precision_stored_as_fnuz_quantizes_and_requantizes_ocp_checkpoints():
     ocp = fp8_quantize(w, "fp8-e4m3")  # as an fp8 checkpoint stores it
     moved = e4m3.quantize(ocp)
     assert moved.data.dtype == torch.float8_e4m3fnuz
-    torch.testing.assert_close(moved.dequantize(), w, atol=0, rtol=2 ** -3)
+    torch.testing.assert_close(moved.dequantize(), w, atol=0, rtol=2**-3)
     assert concat_rows([q, e4m3.quantize(w[:4])]).data.dtype == torch.float8_e4m3fnuz
 
 

@@ -12,12 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton.jit of the shared kernels
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
-from rocm_fakes import fake_flash_attn, no_amdsmi, path_with_only, rocm_torch  # noqa: E402
-
 from flashnext.core.kernels import AttentionMetadata  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.plugins.cuda import CudaBackend  # noqa: E402
 from flashnext.plugins.rocm import RocmBackend, attention  # noqa: E402
+from rocm_fakes import fake_flash_attn, no_amdsmi, path_with_only, rocm_torch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 64, 16
@@ -47,11 +46,12 @@ def step(query_lens, context_lens, seed=0):
     order = torch.randperm(sum(blocks)).tolist()
     tables, start = [], 0
     for n in blocks:
-        tables.append(order[start:start + n])
+        tables.append(order[start : start + n])
         start += n
     positions = [p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)]
-    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, q, c in zip(tables, query_lens, context_lens)
-             for p in range(c - q, c)]
+    slots = [
+        t[p // BLOCK] * BLOCK + p % BLOCK for t, q, c in zip(tables, query_lens, context_lens) for p in range(c - q, c)
+    ]
     meta = AttentionMetadata.from_host(slots, list(query_lens), list(context_lens), tables, DEV)
     k_cache = torch.randn(len(order), BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16, device=DEV)
     v_cache = torch.randn_like(k_cache)
@@ -63,8 +63,7 @@ def step(query_lens, context_lens, seed=0):
 
 def rope_attention(kernels, qkv, positions, cos_sin, k_cache, v_cache, meta):
     k, v = k_cache.clone(), v_cache.clone()
-    out = kernels.rope_attention(qkv, None, None, 1e-6, positions, cos_sin, k, v, meta, DIM ** -0.5, HEADS, KV_HEADS,
-                                 DIM)
+    out = kernels.rope_attention(qkv, None, None, 1e-6, positions, cos_sin, k, v, meta, DIM**-0.5, HEADS, KV_HEADS, DIM)
     return out, k, v
 
 

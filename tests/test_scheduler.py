@@ -80,8 +80,7 @@ def test_running_decodes_come_first_and_prefill_gets_the_rest_of_the_budget():
 def test_budget_is_never_exceeded_with_chunking():
     rng = random.Random(0)
     sched = make(num_blocks=200, max_num_seqs=6, budget=24)
-    seqs = [request(rng.randint(1, 60), max_tokens=rng.randint(1, 12), first=rng.randint(0, 10_000))
-            for _ in range(30)]
+    seqs = [request(rng.randint(1, 60), max_tokens=rng.randint(1, 12), first=rng.randint(0, 10_000)) for _ in range(30)]
     for seq in seqs[:10]:
         sched.add(seq)
     steps = []

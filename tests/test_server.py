@@ -100,8 +100,16 @@ def test_completion_json_sse_and_token_ids_agree(client, llm):
     ids = llm.tokenizer.encode(prompt)
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12, "total_tokens": len(ids) + 12}
     assert choice["finish_reason"] == "length"
-    stream = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
-                                                  "stream": True, "stream_options": {"include_usage": True}})
+    stream = client.post(
+        "/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert stream.headers["content-type"].startswith("text/event-stream")
     chunks = sse_events(stream)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
@@ -113,8 +121,11 @@ def test_completion_json_sse_and_token_ids_agree(client, llm):
 
 
 def test_chat_stream_and_not_agree(client, llm):
-    req = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
-           "max_tokens": 10, "temperature": 0}
+    req = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
     whole = client.post("/v1/chat/completions", json=req).json()
     assert whole["object"] == "chat.completion"
     message = whole["choices"][0]["message"]
@@ -174,8 +185,9 @@ def test_bad_json_unknown_model_and_route(client):
     r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
     assert "not valid JSON" in assert_error(r, 400)["message"]
     assert_error(client.post("/v1/completions", content=b"[1]"), 400)
-    error = assert_error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model",
-                         "model_not_found")
+    error = assert_error(
+        client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model", "model_not_found"
+    )
     assert "gpt-9" in error["message"]
     assert_error(client.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
     assert_error(client.get("/v1/nothing"), 404)
@@ -204,18 +216,30 @@ def test_health_says_starting_before_warm_up(llm):
 
 
 DESIGN_METRICS = [
-    "flashnext_cuda_graph_captures_total", "flashnext_cuda_graph_replays_total",
-    "flashnext_chunked_prefill_chunks_total", "flashnext_spec_decode_drafts_total",
-    "flashnext_spec_decode_draft_tokens_total", "flashnext_spec_decode_accepted_tokens_total",
-    "flashnext_spec_decode_accepted_tokens_per_pos_total", "flashnext_time_to_first_token_seconds",
-    "flashnext_inter_token_latency_seconds", "flashnext_kv_cache_usage_ratio", "flashnext_preemptions_total",
-    "flashnext_requests_total", "flashnext_prefix_cache_hits_total", "flashnext_cuda_graph_memory_bytes",
+    "flashnext_cuda_graph_captures_total",
+    "flashnext_cuda_graph_replays_total",
+    "flashnext_chunked_prefill_chunks_total",
+    "flashnext_spec_decode_drafts_total",
+    "flashnext_spec_decode_draft_tokens_total",
+    "flashnext_spec_decode_accepted_tokens_total",
+    "flashnext_spec_decode_accepted_tokens_per_pos_total",
+    "flashnext_time_to_first_token_seconds",
+    "flashnext_inter_token_latency_seconds",
+    "flashnext_kv_cache_usage_ratio",
+    "flashnext_preemptions_total",
+    "flashnext_requests_total",
+    "flashnext_prefix_cache_hits_total",
+    "flashnext_cuda_graph_memory_bytes",
 ]
 
 
 def test_metrics_names_and_counts(client, llm):
-    names = ["flashnext_requests_total", "flashnext_time_to_first_token_seconds_count",
-             "flashnext_inter_token_latency_seconds_count", "flashnext_prefix_cache_hits_total"]
+    names = [
+        "flashnext_requests_total",
+        "flashnext_time_to_first_token_seconds_count",
+        "flashnext_inter_token_latency_seconds_count",
+        "flashnext_prefix_cache_hits_total",
+    ]
     before = [metric(client, n, **({"status": "length"} if n.endswith("requests_total") else {})) for n in names]
     prompt = "0123456789" * 8
     full_blocks = len(llm.tokenizer.encode(prompt)) // llm.engine.blocks.block_size
@@ -237,13 +261,19 @@ def test_profile_header_turns_chunking_off_per_request(client):
     texts = {}
     for profile in ("basic", "full"):
         before = chunks()
-        r = client.post("/v1/completions", headers={"X-Flashnext-Profile": profile},
-                        json={"prompt": f"{profile}: {prompt}", "max_tokens": 6, "temperature": 0})
+        r = client.post(
+            "/v1/completions",
+            headers={"X-Flashnext-Profile": profile},
+            json={"prompt": f"{profile}: {prompt}", "max_tokens": 6, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         texts[profile] = chunks() - before
     assert texts == {"basic": 0, "full": texts["full"]} and texts["full"] >= 3
-    assert_error(client.post("/v1/completions", headers={"X-Flashnext-Profile": "turbo"}, json={"prompt": "hi"}),
-                 400, "X-Flashnext-Profile")
+    assert_error(
+        client.post("/v1/completions", headers={"X-Flashnext-Profile": "turbo"}, json={"prompt": "hi"}),
+        400,
+        "X-Flashnext-Profile",
+    )
 
 
 def test_profile_header_turns_spec_decoding_off_per_request(tiny):
@@ -266,6 +296,7 @@ def test_profile_header_turns_spec_decoding_off_per_request(tiny):
 def test_engine_failure_is_an_error_not_a_hang(tiny):
     llm = LLM(tiny, backend="cpu", kv_cache_max_gib=0.05)
     with running(llm) as c:
+
         def broken_step(isolate_failures=False):
             raise RuntimeError("boom")
 
@@ -287,8 +318,9 @@ def test_api_key(llm):
             assert_error(c.get(path, headers={"Authorization": "Bearer nope"}), 401, code="invalid_api_key")
             assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 401, code="invalid_api_key")
-        ok = c.post("/v1/completions", headers={"Authorization": "Bearer s3cret"}, json={"prompt": "hi",
-                                                                                         "max_tokens": 2})
+        ok = c.post(
+            "/v1/completions", headers={"Authorization": "Bearer s3cret"}, json={"prompt": "hi", "max_tokens": 2}
+        )
         assert ok.status_code == 200
 
 
@@ -304,8 +336,9 @@ def test_queue_full_is_429_and_hangups_free_blocks(llm):
         with contextlib.ExitStack() as streams:
             readers = []  # dropping a line iterator would close its connection
             for i in range(2):
-                r = streams.enter_context(c.stream("POST", "/v1/completions", json={"prompt": f"{i} hi", **LONG,
-                                                                                      "stream": True}))
+                r = streams.enter_context(
+                    c.stream("POST", "/v1/completions", json={"prompt": f"{i} hi", **LONG, "stream": True})
+                )
                 readers.append(r.iter_lines())
                 next(readers[-1])  # the first token came: the request is running
             error = assert_error(c.post("/v1/completions", json={"prompt": "hi"}), 429, code="queue_full")
@@ -324,13 +357,17 @@ def test_queue_full_is_429_and_hangups_free_blocks(llm):
 def test_metrics_count_prompt_and_generation_tokens(client):
     names = ("flashnext_prompt_tokens_total", "flashnext_generation_tokens_total")
     before = [metric(client, n) for n in names]
-    r = client.post("/v1/completions", json={"prompt": "count these tokens", "max_tokens": 5, "ignore_eos": True,
-                                             "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"prompt": "count these tokens", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     after = [metric(client, n) for n in names]
-    assert [a - b for a, b in zip(after, before)] == [usage["prompt_tokens"], usage["completion_tokens"]] == [
-        usage["prompt_tokens"], 5]
+    assert (
+        [a - b for a, b in zip(after, before)]
+        == [usage["prompt_tokens"], usage["completion_tokens"]]
+        == [usage["prompt_tokens"], 5]
+    )
 
 
 def test_health_reports_the_thread_count(client, llm):

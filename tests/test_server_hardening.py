@@ -40,7 +40,9 @@ def client(llm):
 
 def _all_free(client) -> bool:
     h = client.get("/health").json()
-    return h["requests"] == {"running": 0, "waiting": 0} and h["kv_cache"]["blocks_free"] == h["kv_cache"]["blocks_total"]
+    return (
+        h["requests"] == {"running": 0, "waiting": 0} and h["kv_cache"]["blocks_free"] == h["kv_cache"]["blocks_total"]
+    )
 
 
 # -- 1. a step that raises fails its request, not the server ------------------------------------------------------
@@ -84,8 +86,11 @@ def test_engine_step_isolates_the_failing_request(tmp_path):
     engine, step = llm.engine, llm.engine.runner.step
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     solo = [s.output_ids for s in engine.generate([[3, 4, 5], [6, 7]], params)]
-    engine.runner.step = lambda inputs: (_ for _ in ()).throw(IndexError("bad id")) if any(
-        i.seq.prompt_ids[0] == POISON for i in inputs.batch) else step(inputs)
+    engine.runner.step = lambda inputs: (
+        (_ for _ in ()).throw(IndexError("bad id"))
+        if any(i.seq.prompt_ids[0] == POISON for i in inputs.batch)
+        else step(inputs)
+    )
     seqs = [engine.add_request(p, params) for p in ([3, 4, 5], [POISON, 1], [6, 7])]
     outputs = engine.step(isolate_failures=True)
     assert [(o.seq is seqs[1], o.finished, o.error) for o in outputs if o.error] == [(True, True, "IndexError: bad id")]
@@ -101,8 +106,15 @@ def test_engine_step_isolates_the_failing_request(tmp_path):
 
 def test_streamed_request_failure_is_an_error_event(client, llm, monkeypatch):
     step = llm.engine.runner.step
-    monkeypatch.setattr(llm.engine.runner, "step", lambda inputs: (_ for _ in ()).throw(OverflowError("too big"))
-                        if inputs.batch[0].seq.prompt_ids[0] == POISON else step(inputs))
+    monkeypatch.setattr(
+        llm.engine.runner,
+        "step",
+        lambda inputs: (
+            (_ for _ in ()).throw(OverflowError("too big"))
+            if inputs.batch[0].seq.prompt_ids[0] == POISON
+            else step(inputs)
+        ),
+    )
     r = client.post("/v1/completions", json={"prompt": [POISON, 3], "max_tokens": 4, "stream": True})
     events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
     assert events[-1]["error"]["type"] == "server_error" and "OverflowError" in events[-1]["error"]["message"]
@@ -115,8 +127,9 @@ def test_failure_outside_any_request_fails_the_running_ones_and_serving_goes_on(
         raise RuntimeError("scheduler boom")
 
     monkeypatch.setattr(llm.engine, "step", broken_step)
-    error = assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 500,
-                         code="engine_error")
+    error = assert_error(
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 500, code="engine_error"
+    )
     assert "scheduler boom" in error["message"]
     monkeypatch.undo()
     assert client.get("/health").json()["status"] == "ok"
@@ -158,18 +171,22 @@ def test_warm_up_failure_marks_the_server_failed(llm, monkeypatch):
     ],
 )
 def test_numeric_fields_are_bounded_at_the_door(client, body, param):
-    error = assert_error(client.post("/v1/completions", json=body), 400, param,
-                         "unsupported_parameter" if "logprobs" in param else None)
+    error = assert_error(
+        client.post("/v1/completions", json=body), 400, param, "unsupported_parameter" if "logprobs" in param else None
+    )
     assert len(error["message"]) < 400
 
 
 def test_chat_bounds_and_edge_values_that_are_allowed(client):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert_error(client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 2**64}), 400,
-                 "max_completion_tokens")
+    assert_error(
+        client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 2**64}), 400, "max_completion_tokens"
+    )
     assert_error(client.post("/v1/chat/completions", json={**chat, "top_k": 2**63}), 400, "top_k")
-    ok = client.post("/v1/completions", json={"prompt": "hi", "top_k": 320, "seed": 2**63 - 1, "max_tokens": 2,
-                                              "temperature": 2.0, "stop": ["a"] * 16})
+    ok = client.post(
+        "/v1/completions",
+        json={"prompt": "hi", "top_k": 320, "seed": 2**63 - 1, "max_tokens": 2, "temperature": 2.0, "stop": ["a"] * 16},
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -201,8 +218,11 @@ def test_health_stays_responsive_while_a_large_prompt_is_tokenized(client, llm, 
 
     monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
     result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        r=client.post("/v1/completions", json={"prompt": "long " * 20000, "max_tokens": 1})))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            r=client.post("/v1/completions", json={"prompt": "long " * 20000, "max_tokens": 1})
+        )
+    )
     worker.start()
     assert started.wait(10)
     latencies = []
@@ -221,8 +241,10 @@ def test_a_stalled_body_times_out_with_408(llm, monkeypatch):
     with running(llm) as c:
         port = int(str(c.base_url).rsplit(":", 1)[1].strip("/"))
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\n\r\n{\"prompt\":")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt":'
+            )
             reply = b""
             while chunk := s.recv(65536):  # the server closes the connection after its answer
                 reply += chunk
@@ -232,8 +254,9 @@ def test_a_stalled_body_times_out_with_408(llm, monkeypatch):
 
 
 # -- 5. an empty API key fails closed ------------------------------------------------------------------------------
-@pytest.mark.parametrize("env, args", [({"FLASHNEXT_API_KEY": ""}, []), ({"FLASHNEXT_API_KEY": "  "}, []),
-                                       ({}, ["--api-key", ""])])
+@pytest.mark.parametrize(
+    "env, args", [({"FLASHNEXT_API_KEY": ""}, []), ({"FLASHNEXT_API_KEY": "  "}, []), ({}, ["--api-key", ""])]
+)
 def test_empty_api_key_refuses_to_start(env, args, tmp_path):
     result = CliRunner().invoke(cli_app, ["serve", "--model", str(tmp_path / "never-loaded"), *args], env=env)
     assert result.exit_code == 2
@@ -249,11 +272,14 @@ def test_deeply_nested_body_is_400(client):
     assert_error(client.post("/v1/completions", content=shallow), 400, "prompt")
 
 
-@pytest.mark.parametrize("body, param", [
-    (b'{"prompt": "abc \\ud800 def"}', "prompt"),
-    (b'{"prompt": "ok", "stop": ["\\udfff"]}', "stop.0"),
-    (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"prompt": "abc \\ud800 def"}', "prompt"),
+        (b'{"prompt": "ok", "stop": ["\\udfff"]}', "stop.0"),
+        (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+    ],
+)
 def test_lone_surrogate_is_400(client, body, param):
     path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
     assert "surrogate" in assert_error(client.post(path, content=body), 400, param)["message"]
@@ -293,7 +319,12 @@ def test_metrics_has_running_and_waiting_gauges(client):
             r = streams.enter_context(client.stream("POST", "/v1/completions", json=long))
             readers.append(r.iter_lines())
         next(readers[0])
-        _wait(lambda: metric(client, "flashnext_requests_running") == 4
-              and metric(client, "flashnext_requests_waiting") == 2, "4 running and 2 waiting", timeout=10)
+        _wait(
+            lambda: (
+                metric(client, "flashnext_requests_running") == 4 and metric(client, "flashnext_requests_waiting") == 2
+            ),
+            "4 running and 2 waiting",
+            timeout=10,
+        )
     _wait(lambda: _all_free(client), "blocks freed", timeout=10)
     assert metric(client, "flashnext_requests_running") == 0 and metric(client, "flashnext_requests_waiting") == 0

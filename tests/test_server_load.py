@@ -2,8 +2,9 @@
 
 300 requests at concurrency 32: completions and chat, streamed and not, prompts of 2 to ~270 tokens; every 10th
 client hangs up mid-stream. Each other request must return the text (and finish reason) of a solo greedy run of its
-prompt, run one at a time after the burst (and equal to `LLM.generate`); at the end every KV block is free and /metrics counts exactly what was
-sent. Long prompts arriving together exercise chunked prefill, repeated ones the prefix cache.
+prompt, run one at a time after the burst (and equal to `LLM.generate`); at the end every KV block is free and
+/metrics counts exactly what was sent. Long prompts arriving together exercise chunked prefill, repeated ones the
+prefix cache.
 """
 
 import asyncio
@@ -26,7 +27,26 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "load-test-key"
 NUM_REQUESTS, CONCURRENCY, HANGUP_EVERY = 300, 32, 10
-WORDS = "the quick brown fox jumps over lazy dog to be or not that is question hello world again".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "to",
+    "be",
+    "or",
+    "not",
+    "that",
+    "is",
+    "question",
+    "hello",
+    "world",
+    "again",
+]
 PROMPTS = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i * i // 2)) for i in range(16)]
 
 
@@ -41,9 +61,23 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("load")
     model = write_tiny_hf_model(folder / "tiny")
     port = _free_port()
-    cmd = [sys.executable, "-c", "from flashnext.core.cli import main; main()", "serve", "--model", str(model),
-           "--backend", "cpu", "--port", str(port), "--max-num-seqs", str(CONCURRENCY), "--log-level", "warning"]
-    log = open(folder / "server.log", "w")
+    cmd = [
+        sys.executable,
+        "-c",
+        "from flashnext.core.cli import main; main()",
+        "serve",
+        "--model",
+        str(model),
+        "--backend",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(CONCURRENCY),
+        "--log-level",
+        "warning",
+    ]
+    log = open(folder / "server.log", "w")  # noqa: SIM115 (open for the server's whole life)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FLASHNEXT_API_KEY": API_KEY})
     base = f"http://127.0.0.1:{port}"
     try:
@@ -69,8 +103,12 @@ def _healthy(base: str) -> bool:
 def _job(i: int) -> dict:
     """Request i: which prompt, endpoint, streaming, and whether its client hangs up."""
     hangup = i % HANGUP_EVERY == HANGUP_EVERY - 1
-    return {"prompt": (i * 7) % len(PROMPTS) if not hangup else i % 3, "chat": i % 2 == 0, "hangup": hangup,
-            "stream": hangup or i % 3 != 0}
+    return {
+        "prompt": (i * 7) % len(PROMPTS) if not hangup else i % 3,
+        "chat": i % 2 == 0,
+        "hangup": hangup,
+        "stream": hangup or i % 3 != 0,
+    }
 
 
 def _max_tokens(prompt_index: int) -> int:
@@ -107,8 +145,11 @@ async def _run(client: openai.AsyncOpenAI, model: str, job: dict) -> tuple[str, 
 
 def _metrics(base: str) -> dict[tuple, float]:
     text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_load_openai_client(server):
@@ -131,15 +172,17 @@ def test_load_openai_client(server):
         solo = {}
         for p in range(len(PROMPTS)):
             for chat in (False, True):
-                solo[p, chat] = await _run(client, model, {"prompt": p, "chat": chat, "hangup": False,
-                                                          "stream": False})
+                solo[p, chat] = await _run(client, model, {"prompt": p, "chat": chat, "hangup": False, "stream": False})
         await client.close()
         return solo, jobs, results, elapsed
 
     solo, jobs, results, elapsed = asyncio.run(main())
     print(f"\n{NUM_REQUESTS} requests at concurrency {CONCURRENCY} in {elapsed:.1f} s")
-    mismatches = [(job, got, solo[job["prompt"], job["chat"]]) for job, got in zip(jobs, results)
-                  if not job["hangup"] and got != solo[job["prompt"], job["chat"]]]
+    mismatches = [
+        (job, got, solo[job["prompt"], job["chat"]])
+        for job, got in zip(jobs, results)
+        if not job["hangup"] and got != solo[job["prompt"], job["chat"]]
+    ]
     assert not mismatches, mismatches[:3]
     assert {reason for _, reason in solo.values()} <= {"stop", "length"}
     # The server's solo runs are the Python API's: same text (streamed detokenization included), same reason.

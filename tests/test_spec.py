@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fixtures import tiny_weights, write_tiny_hf_model
-
 from flashnext.core.engine.engine import GIB, LLMEngine
 from flashnext.core.engine.runner import ModelRunner
 from flashnext.core.engine.sequence import SamplingParams
@@ -64,8 +63,14 @@ def kv_gib(loaded, num_blocks: int) -> float:
 
 def engine_for(loaded, spec="none", k=4, num_blocks=4096, **overrides) -> LLMEngine:
     backend = CpuBackend()
-    settings = dict(block_size=BS, max_num_batched_tokens=64, kv_cache_max_gib=kv_gib(loaded, num_blocks),
-                    spec=spec, spec_tokens=k, max_num_seqs=32)
+    settings = dict(
+        block_size=BS,
+        max_num_batched_tokens=64,
+        kv_cache_max_gib=kv_gib(loaded, num_blocks),
+        spec=spec,
+        spec_tokens=k,
+        max_num_seqs=32,
+    )
     return LLMEngine(backend, loaded, "fp32", backend.profiles()["full"].overridden(**(settings | overrides)))
 
 
@@ -114,9 +119,10 @@ def test_ngram_greedy_is_lossless_single_and_batched(tiny, k):
 def test_mtp_greedy_is_lossless_single_and_batched(tiny_mtp, k):
     prompts = copy_heavy_prompts(tiny_mtp, seed=1)
     want = generate(engine_for(tiny_mtp), prompts, GREEDY)
-    for engine, got in ((e := engine_for(tiny_mtp, "mtp", k), generate(e, prompts, GREEDY)),
-                        (f := engine_for(tiny_mtp, "mtp", k, spec_adaptive=False),
-                         [generate(f, [p], GREEDY)[0] for p in prompts])):
+    for engine, got in (
+        (e := engine_for(tiny_mtp, "mtp", k), generate(e, prompts, GREEDY)),
+        (f := engine_for(tiny_mtp, "mtp", k, spec_adaptive=False), [generate(f, [p], GREEDY)[0] for p in prompts]),
+    ):
         assert got == want
         assert engine.spec_stats()["drafted"] > 0
         assert_no_leak(engine)
@@ -139,8 +145,9 @@ def test_seeded_sampling_is_identical_to_plain_sampling(tiny):
     """The target samples each verified row with noise keyed by (seed, position): same seed, same tokens."""
     prompts = copy_heavy_prompts(tiny, count=4, seed=3)
     for temperature, top_k, top_p in ((0.3, 0, 1.0), (0.5, 20, 0.9)):
-        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                                seed=11)
+        params = SamplingParams(
+            max_tokens=40, ignore_eos=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=11
+        )
         want = generate(engine_for(tiny), prompts, params)
         engine = engine_for(tiny, "ngram", 3)
         assert generate(engine, prompts, params) == want
@@ -279,6 +286,7 @@ def test_adaptive_pauses_drafting_that_never_pays(tiny_mtp):
 
 # --- distribution --------------------------------------------------------------------------------------------
 
+
 def chi_square_critical(df: int, z: float = 3.09) -> float:
     """Upper 0.1% point of chi-square(df), Wilson-Hilferty approximation (no scipy needed)."""
     c = 2.0 / (9 * df)
@@ -320,12 +328,12 @@ def test_speculative_sampling_keeps_the_target_distribution(small_vocab, monkeyp
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
     exact_engine = engine_for(small_vocab)
     p1 = next_token_probs(exact_engine, prompt)
-    expected = {(a, b): float(p1[a] * next_token_probs(exact_engine, prompt + [a])[b])
-                for a in range(8) for b in range(8)}
+    expected = {
+        (a, b): float(p1[a] * next_token_probs(exact_engine, prompt + [a])[b]) for a in range(8) for b in range(8)
+    }
 
     def sample_pairs() -> tuple[dict, dict]:
-        engine = engine_for(small_vocab, "ngram", 2, max_num_seqs=512, max_num_batched_tokens=4096,
-                            spec_max_batch=512)
+        engine = engine_for(small_vocab, "ngram", 2, max_num_seqs=512, max_num_batched_tokens=4096, spec_max_batch=512)
         seqs = [engine.add_request(prompt, p) for p in params]
         while engine.has_work():
             engine.step()

@@ -6,7 +6,7 @@ from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.llm import LLM
 
 PROMPTS = [
-    "Repeat this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+    "Repeat this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",  # noqa: E501 (one prompt)
     "List the days of the week: Monday, Tuesday,",
     "Write a short poem about the sea.",
 ]

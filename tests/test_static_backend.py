@@ -36,7 +36,7 @@ def reference_greedy(prompt: list[int], max_tokens: int) -> list[int]:
         context[0, : len(tokens)] = tokens
         lengths = np.array([len(tokens), 0, 0, 0])
         tokens.append(int(static_graph(context, lengths)[0].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 class StaticModel:
@@ -88,8 +88,12 @@ class StaticBackend(Backend):
     name = "static-test"
     api_version = API_VERSION
     precisions = ("fp32",)
-    capabilities = Capabilities(chunked_prefill=True, prefix_caching=True, unified_memory=True,
-                                static_shapes=StaticShapes(batch=BATCH, prefill_chunk=CHUNK, max_context=CONTEXT))
+    capabilities = Capabilities(
+        chunked_prefill=True,
+        prefix_caching=True,
+        unified_memory=True,
+        static_shapes=StaticShapes(batch=BATCH, prefill_chunk=CHUNK, max_context=CONTEXT),
+    )
 
     def probe(self) -> Probe:
         return Probe(True, 0.1, "a static graph in numpy")
@@ -112,8 +116,17 @@ class NoEos:
 
 
 def loaded_model() -> LoadedModel:
-    config = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_layers=1,
-                         num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=4096)
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=4096,
+    )
     return LoadedModel(config, {}, NoEos(), "static graph", "static")
 
 
@@ -155,7 +168,10 @@ def test_a_request_stops_at_the_fixed_context(engine):
 
 def test_a_static_backend_refuses_what_it_does_not_declare():
     backend = StaticBackend()
-    for profile, word in ((Profile(spec="ngram"), "--spec ngram"), (Profile(cuda_graphs=True), "cuda_graphs"),
-                          (Profile(kv_cache_dtype="fp8-e4m3"), "fp8-e4m3 KV cache")):
+    for profile, word in (
+        (Profile(spec="ngram"), "--spec ngram"),
+        (Profile(cuda_graphs=True), "cuda_graphs"),
+        (Profile(kv_cache_dtype="fp8-e4m3"), "fp8-e4m3 KV cache"),
+    ):
         with pytest.raises(UserError, match=word):
             LLMEngine(backend, loaded_model(), None, profile)

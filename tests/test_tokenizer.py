@@ -7,7 +7,7 @@ from fixtures import default_gguf_path, shakespeare_text, write_tiny_hf_model
 from flashnext.core.errors import UserError
 from flashnext.core.tokenizer import Tokenizer
 
-CODE = 'def fib(n: int) -> int:\n    """Fibonacci."""\n\tif n < 2:\n        return n  # base\n    return fib(n-1)+fib(n-2)\n'
+CODE = 'def fib(n: int) -> int:\n    """Fibonacci."""\n\tif n < 2:\n        return n  # base\n    return fib(n-1)+fib(n-2)\n'  # noqa: E501 (one sample)
 SAMPLES = [
     CODE,
     "Digits: 0 7 42 1234567890 3.14159 1,000,000 -17e+3 0x1F",
@@ -65,8 +65,11 @@ def test_gguf_shakespeare_matches_transformers(smol):
     [
         [{"role": "user", "content": "Hi"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-         {"role": "user", "content": "Tell me a joke 😀"}],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Tell me a joke 😀"},
+        ],
     ],
 )
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -151,7 +154,9 @@ def test_template_raise_exception_and_sandbox(tmp_path):
 
     folder = write_tiny_hf_model(tmp_path / "m")
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    cfg["chat_template"] = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = Tokenizer.from_hf_folder(folder)
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"

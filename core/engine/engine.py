@@ -39,8 +39,9 @@ class LLMEngine:
         # The model's own config: an exported graph's context may be shorter than the checkpoint's.
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(profile.max_model_len or limit, limit)
-        self.kv_dtype = self.model.dtype if profile.kv_cache_dtype == "auto" else \
-            PRECISIONS[profile.kv_cache_dtype].storage_dtype
+        self.kv_dtype = (
+            self.model.dtype if profile.kv_cache_dtype == "auto" else PRECISIONS[profile.kv_cache_dtype].storage_dtype
+        )
         runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
@@ -51,9 +52,19 @@ class LLMEngine:
         self.runner: Runner = runner_class(self.model, setup)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
-        self.spec = None if profile.spec == "none" else SpecDecoder(
-            profile, self.model, loaded.weights, self.blocks, self.kv_dtype, self.max_model_len,
-            device_drafter=self.runner.device_drafter)
+        self.spec = (
+            None
+            if profile.spec == "none"
+            else SpecDecoder(
+                profile,
+                self.model,
+                loaded.weights,
+                self.blocks,
+                self.kv_dtype,
+                self.max_model_len,
+                device_drafter=self.runner.device_drafter,
+            )
+        )
 
     def _within_capabilities(self, profile: Profile) -> Profile:
         """The profile bounded by the backend's declared limits: a static-shape backend's batch, prompt chunk and
@@ -98,8 +109,10 @@ class LLMEngine:
             if option.bits < self.precision.bits and need(option) <= free:
                 smaller.append(f"--precision {name} ({need(option) / GIB:.1f} GiB)")
         fix = f"use {' or '.join(smaller)}" if smaller else "pick a smaller model"
-        raise UserError(f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
-                        f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}")
+        raise UserError(
+            f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
+            f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}"
+        )
 
     def _quantized_head(self, backend: Backend, profile: Profile) -> bool:
         """profile.quantize_lm_head where the weights are quantized (a 16-bit head is already their precision): the
@@ -107,8 +120,10 @@ class LLMEngine:
         if not profile.quantize_lm_head or self.precision.bits >= 16:
             return False
         if not backend.quantized_head(self.precision):
-            raise UserError(f"backend '{backend.name}' cannot keep the LM head of {self.precision.name} weights in "
-                            f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)")
+            raise UserError(
+                f"backend '{backend.name}' cannot keep the LM head of {self.precision.name} weights in "
+                f"{self.precision.head.name} here: unset quantize_lm_head (FLASHNEXT_QUANTIZE_LM_HEAD)"
+            )
         return True
 
     def _activation_peak(self, runner_class) -> int:
@@ -137,8 +152,14 @@ class LLMEngine:
             )
         return num_blocks
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "",
-                    chunked_prefill: bool | None = None, spec_enabled: bool = True) -> Sequence:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str = "",
+        chunked_prefill: bool | None = None,
+        spec_enabled: bool = True,
+    ) -> Sequence:
         if not prompt_ids:
             raise UserError("the prompt is empty: give some text")
         if len(prompt_ids) >= self.max_model_len:
@@ -149,9 +170,14 @@ class LLMEngine:
         if len(prompt_ids) > self.blocks.num_blocks * self.blocks.block_size:
             raise UserError("the prompt does not fit the KV cache; raise the memory budget or shorten the prompt")
         params = self._capped(params)
-        chunked = self.profile.chunked_prefill if chunked_prefill is None else chunked_prefill and self.profile.chunked_prefill
-        seq = Sequence(list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked,
-                       spec_enabled=spec_enabled)
+        chunked = (
+            self.profile.chunked_prefill
+            if chunked_prefill is None
+            else chunked_prefill and self.profile.chunked_prefill
+        )
+        seq = Sequence(
+            list(prompt_ids), params, request_id=request_id, chunked_prefill=chunked, spec_enabled=spec_enabled
+        )
         self.scheduler.add(seq)
         return seq
 
@@ -162,8 +188,10 @@ class LLMEngine:
         if cap is None or params.max_tokens <= cap:
             return params
         if self.profile.max_tokens_over_cap == "refuse":
-            raise UserError(f"max_tokens {params.max_tokens} is above the {cap} a request of backend "
-                            f"'{self.backend.name}' (profile '{self.profile.name}', max_tokens_cap); ask for at most {cap}")
+            raise UserError(
+                f"max_tokens {params.max_tokens} is above the {cap} a request of backend "
+                f"'{self.backend.name}' (profile '{self.profile.name}', max_tokens_cap); ask for at most {cap}"
+            )
         return params.model_copy(update={"max_tokens": cap})
 
     def abort(self, seq: Sequence) -> None:

@@ -102,8 +102,10 @@ class ModelRunner(Runner):
         self.warm_up_s = 0.0
         shape = (setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.empty(shape, dtype=setup.kv_dtype, device=self.device),
-             torch.empty(shape, dtype=setup.kv_dtype, device=self.device))
+            (
+                torch.empty(shape, dtype=setup.kv_dtype, device=self.device),
+                torch.empty(shape, dtype=setup.kv_dtype, device=self.device),
+            )
             for _ in range(cfg.num_layers)
         ]
 
@@ -111,8 +113,9 @@ class ModelRunner(Runner):
         step = self.prepare(inputs.batch)
         hidden = self.forward(step)
         logits = self.model.compute_logits(hidden[step.logit_rows])
-        return StepResult(self.model.kernels.sample(logits, step.sampling), logits,
-                          hidden if inputs.want_hidden else None)
+        return StepResult(
+            self.model.kernels.sample(logits, step.sampling), logits, hidden if inputs.want_hidden else None
+        )
 
     def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits, sampled) of one step: for tools that read a batch's logits (conformance, numerics)."""

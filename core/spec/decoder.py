@@ -59,14 +59,23 @@ def accepted_length(drafts: list[int], sampled: list[int]) -> int:
 
 
 class SpecDecoder:
-    def __init__(self, profile: Profile, model: DecoderModel, weights: dict, blocks: BlockManager,
-                 kv_dtype: torch.dtype, max_model_len: int, device_drafter: DeviceDrafter | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        model: DecoderModel,
+        weights: dict,
+        blocks: BlockManager,
+        kv_dtype: torch.dtype,
+        max_model_len: int,
+        device_drafter: DeviceDrafter | None = None,
+    ):
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
         # A runner that drafts on its device gets no drafts: it fills the engine's look-ahead slots.
         self.device_drafter = device_drafter
         self.drafter: Drafter = (
             MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
-            if profile.spec == "mtp" else NgramDrafter()
+            if profile.spec == "mtp"
+            else NgramDrafter()
         )
         self.stats = SpecStats()
 

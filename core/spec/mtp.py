@@ -82,12 +82,15 @@ class MtpDrafter:
     def _forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, spans) -> torch.Tensor:
         """The depth module over query runs (seq, first position, count); returns its hidden states (pre-norm)."""
         k, m, eps = self.model.kernels, self.model, self.model.config.rms_norm_eps
-        x = torch.cat((k.rmsnorm(k.embedding(token_ids, m.embed), self.enorm, eps),
-                       k.rmsnorm(prev_hidden, self.hnorm, eps)), dim=-1)
+        x = torch.cat(
+            (k.rmsnorm(k.embedding(token_ids, m.embed), self.enorm, eps), k.rmsnorm(prev_hidden, self.hnorm, eps)),
+            dim=-1,
+        )
         h = k.linear(x, self.eh_proj)
         positions, meta = self._metadata(spans)
-        attn = m._attention(self.block, k.rmsnorm(h, self.block.input_norm, eps), positions, meta,
-                            self.k_cache, self.v_cache)
+        attn = m._attention(
+            self.block, k.rmsnorm(h, self.block.input_norm, eps), positions, meta, self.k_cache, self.v_cache
+        )
         x, residual = k.add_rmsnorm(attn, h, self.block.post_norm, eps)
         return k.linear(k.silu_and_mul(k.linear(x, self.block.gate_up)), self.block.down) + residual
 

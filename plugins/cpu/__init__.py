@@ -16,8 +16,13 @@ class CpuBackend(Backend):
     api_version = API_VERSION
     precisions = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int4")
     default_precision = "fp32"
-    capabilities = Capabilities(chunked_prefill=True, prefix_caching=True, drafters=("ngram", "mtp"),
-                                kv_dtypes=FP8_KV + WIDE_KV, unified_memory=True)
+    capabilities = Capabilities(
+        chunked_prefill=True,
+        prefix_caching=True,
+        drafters=("ngram", "mtp"),
+        kv_dtypes=FP8_KV + WIDE_KV,
+        unified_memory=True,
+    )
 
     def probe(self) -> Probe:
         facts = {"threads": torch.get_num_threads(), "memory_available_bytes": psutil.virtual_memory().available}
@@ -25,8 +30,9 @@ class CpuBackend(Backend):
 
     def profiles(self) -> dict[str, Profile]:
         # The KV cap keeps a laptop responsive: 2 GiB holds ~45k tokens of the default model in fp32.
-        full = Profile(name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512,
-                       kv_cache_max_gib=2.0)
+        full = Profile(
+            name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_max_gib=2.0
+        )
         return {"full": full, "basic": full.basic()}
 
     def device(self) -> torch.device:

@@ -61,9 +61,15 @@ class CudaBackend(Backend):
         # A large token budget: on a slow host each eager prefill step costs tens of milliseconds of Python.
         # Speculation up to 4 sequences: decode graphs that small use the row-invariant GEMV (the same numbers in
         # a verify step), which stays faster than cuBLAS there.
-        full = Profile(name="full", cuda_graphs=True, chunked_prefill=True, max_num_seqs=256,
-                       max_num_batched_tokens=16384, graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                       spec_max_batch=4)
+        full = Profile(
+            name="full",
+            cuda_graphs=True,
+            chunked_prefill=True,
+            max_num_seqs=256,
+            max_num_batched_tokens=16384,
+            graph_batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+            spec_max_batch=4,
+        )
         return {"full": full, "basic": full.basic()}
 
     def device(self) -> torch.device:
@@ -101,8 +107,10 @@ class CudaBackend(Backend):
         if precision == "fp8-e4m3":
             major, minor, name = _capability()
             if (major, minor) < FP8_CAPABILITY:
-                raise UserError(f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {name} is"
-                                f" {major}.{minor}: use --precision bf16 or int4")
+                raise UserError(
+                    f"fp8-e4m3 needs FP8 tensor cores (compute capability 8.9 or 9.x); {name} is"
+                    f" {major}.{minor}: use --precision bf16 or int4"
+                )
         return chosen
 
     def free_memory_bytes(self) -> int:

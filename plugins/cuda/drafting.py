@@ -40,10 +40,29 @@ def _ngram_hit(hist, ntok, n, MAX_N: tl.constexpr, K: tl.constexpr, SCAN: tl.con
 
 
 @triton.jit
-def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req_seed_ptr, ids_ptr, pos_ptr, slot_ptr,
-                       ctx_ptr, seed_ptr, n_draft_ptr, hist_stride, table_stride, K: tl.constexpr,
-                       Q_BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       SCAN: tl.constexpr, PDL: tl.constexpr):
+def _spec_draft_kernel(
+    hist_ptr,
+    ntok_ptr,
+    cap_ptr,
+    max_pos_ptr,
+    tables_ptr,
+    req_seed_ptr,
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    ctx_ptr,
+    seed_ptr,
+    n_draft_ptr,
+    hist_stride,
+    table_stride,
+    K: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    MIN_N: tl.constexpr,
+    MAX_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SCAN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Row j: drafts from its own history (prompt lookup, longest n-gram first) and its K + 1 verify inputs.
 
     Row r of the verify step feeds token hist[ntok - 1] (r = 0) or draft r - 1 at position ntok - 1 + r. Rows past
@@ -86,9 +105,23 @@ def _spec_draft_kernel(hist_ptr, ntok_ptr, cap_ptr, max_pos_ptr, tables_ptr, req
 
 
 @triton.jit
-def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_draft_ptr, stats_ptr, stop_ptr,
-                        hist_stride, STAT_FIELDS: tl.constexpr, K: tl.constexpr, Q_BLOCK: tl.constexpr,
-                        CHUNKS: tl.constexpr, STOPS: tl.constexpr, PDL: tl.constexpr):
+def _spec_accept_kernel(
+    sampled_ptr,
+    ids_ptr,
+    hist_ptr,
+    ntok_ptr,
+    cap_ptr,
+    n_draft_ptr,
+    stats_ptr,
+    stop_ptr,
+    hist_stride,
+    STAT_FIELDS: tl.constexpr,
+    K: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    STOPS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Row j: drafts up to the first that differs from the target's own sample are accepted; the samples (the
     accepted drafts and the token after them) extend the history, up to the first of the row's stop tokens
     (stop_ptr[j]), which also ends the row (cap). stats[j]: steps, steps with drafts (a history with no n-gram to
@@ -103,8 +136,9 @@ def _spec_accept_kernel(sampled_ptr, ids_ptr, hist_ptr, ntok_ptr, cap_ptr, n_dra
         r = tl.arange(0, Q_BLOCK)
         if CHUNKS > 0:
             c = tl.arange(0, CHUNKS)
-            sampled = _argmax_token(tl.load(sampled_ptr + (j * (K + 1) + r[:, None]) * CHUNKS + c[None, :],
-                                            mask=(r <= K)[:, None], other=0))
+            sampled = _argmax_token(
+                tl.load(sampled_ptr + (j * (K + 1) + r[:, None]) * CHUNKS + c[None, :], mask=(r <= K)[:, None], other=0)
+            )
         else:
             sampled = tl.load(sampled_ptr + j * (K + 1) + r, mask=r <= K, other=0)
         draft = tl.load(ids_ptr + j * (K + 1) + r + 1, mask=r < K, other=0)
@@ -143,18 +177,50 @@ class DeviceNgramDrafter:
         hist, ntok, cap, max_pos, req_seed, n_draft = state
         ids, positions, slots, ctx, seeds = verify
         _spec_draft_kernel[(hist.shape[0],)](
-            hist, ntok, cap, max_pos, tables, req_seed, ids, positions, slots, ctx, seeds, n_draft, hist.stride(0),
-            tables.stride(0), K=self.k, Q_BLOCK=_pow2(self.k + 1), MIN_N=self.rule.min_n, MAX_N=self.rule.max_n,
-            BLOCK_SIZE=block_size, SCAN=1024, **self.kernels._pdl)
+            hist,
+            ntok,
+            cap,
+            max_pos,
+            tables,
+            req_seed,
+            ids,
+            positions,
+            slots,
+            ctx,
+            seeds,
+            n_draft,
+            hist.stride(0),
+            tables.stride(0),
+            K=self.k,
+            Q_BLOCK=_pow2(self.k + 1),
+            MIN_N=self.rule.min_n,
+            MAX_N=self.rule.max_n,
+            BLOCK_SIZE=block_size,
+            SCAN=1024,
+            **self.kernels._pdl,
+        )
 
     def accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops) -> None:
         """Drafts up to the first that differs from the target's sample, then the sample, onto the history.
         sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step;
         stops: [rows, SPEC_STOP_IDS] each row's stop tokens, -1 padded."""
-        _spec_accept_kernel[(hist.shape[0],)](sampled, ids, hist, ntok, cap, n_draft, stats, stops, hist.stride(0),
-                                              STAT_FIELDS=SPEC_STAT_FIELDS, K=self.k, Q_BLOCK=_pow2(self.k + 1),
-                                              CHUNKS=_key_chunks(sampled), STOPS=stops.shape[1],
-                                              **self.kernels._pdl)
+        _spec_accept_kernel[(hist.shape[0],)](
+            sampled,
+            ids,
+            hist,
+            ntok,
+            cap,
+            n_draft,
+            stats,
+            stops,
+            hist.stride(0),
+            STAT_FIELDS=SPEC_STAT_FIELDS,
+            K=self.k,
+            Q_BLOCK=_pow2(self.k + 1),
+            CHUNKS=_key_chunks(sampled),
+            STOPS=stops.shape[1],
+            **self.kernels._pdl,
+        )
 
     def stats(self) -> SpecStats:
         """drafts counts the verify steps that carried a draft (a step whose history had no n-gram to copy

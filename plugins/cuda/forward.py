@@ -19,8 +19,14 @@ from flashnext.core.model import DecoderModel
 from .kernels import CudaKernels
 
 
-def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, positions: torch.Tensor,
-                     meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_unnormed(
+    model: DecoderModel,
+    kernels: CudaKernels,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_caches,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's output and the residual stream before it, [T, hidden] each: the final norm is left to
     the kernel after it (the vocabulary projection can take it in its prologue)."""
     cfg, eps = model.config, model.config.rms_norm_eps
@@ -31,20 +37,41 @@ def forward_unnormed(model: DecoderModel, kernels: CudaKernels, input_ids: torch
         qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        attn = kernels.rope_attention(qkv, layer.q_norm, layer.k_norm, eps, positions, model.cos_sin, k_cache,
-                                      v_cache, meta, model.scale, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                      feeds=layer.o)
+        attn = kernels.rope_attention(
+            qkv,
+            layer.q_norm,
+            layer.k_norm,
+            eps,
+            positions,
+            model.cos_sin,
+            k_cache,
+            v_cache,
+            meta,
+            model.scale,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            feeds=layer.o,
+        )
         out, residual = kernels.linear_into(attn, layer.o, residual, layer.post_norm, layer.gate_up, live=live)
-        act, residual = kernels.norm_linear(out, residual, layer.post_norm, eps, layer.gate_up, silu=True,
-                                            feeds=layer.down, live=live)
+        act, residual = kernels.norm_linear(
+            out, residual, layer.post_norm, eps, layer.gate_up, silu=True, feeds=layer.down, live=live
+        )
         following = model.layers[i + 1] if i + 1 < len(model.layers) else None
-        hidden, residual = kernels.linear_into(act, layer.down, residual, following and following.input_norm,
-                                               following and following.qkv, live=live)
+        hidden, residual = kernels.linear_into(
+            act, layer.down, residual, following and following.input_norm, following and following.qkv, live=live
+        )
     return hidden, residual
 
 
-def forward(model: DecoderModel, kernels: CudaKernels, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+def forward(
+    model: DecoderModel,
+    kernels: CudaKernels,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_caches,
+) -> torch.Tensor:
     """Hidden states after the final norm, [T, hidden]."""
     hidden, residual = forward_unnormed(model, kernels, input_ids, positions, meta, kv_caches)
     return kernels.add_rmsnorm(hidden, residual, model.norm, model.config.rms_norm_eps)[0]
@@ -56,8 +83,9 @@ def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, r
     return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
 
 
-def greedy_keys_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor,
-                   keys: torch.Tensor) -> torch.Tensor:
+def greedy_keys_of(
+    model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
     """A greedy step's argmax keys (see CudaKernels.greedy_keys) of the logits logits_of would give."""
     return kernels.greedy_keys(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head, keys)
 

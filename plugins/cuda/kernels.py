@@ -141,10 +141,23 @@ def _dot(a, b, acc=None):
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
-                    HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                    fp8_ptr=None, scale_ptr=None, FMAX: tl.constexpr = 0.0, sum_ptr=None,
-                    INT8_GROUP: tl.constexpr = 0):
+def _rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    w_ptr,
+    out_ptr,
+    K,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    fp8_ptr=None,
+    scale_ptr=None,
+    FMAX: tl.constexpr = 0.0,
+    sum_ptr=None,
+    INT8_GROUP: tl.constexpr = 0,
+):
     """rmsnorm(x (+ res)); with FMAX the normalized row goes out as per-token fp8 (fp8_ptr, scale_ptr) instead,
     bit-equal to normalizing and then quantizing in two passes; with INT8_GROUP as Int8Rows (fp8_ptr, scale_ptr,
     sum_ptr)."""
@@ -155,7 +168,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
     x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0)
     if HAS_RES:
         # The reference adds in the activation dtype, then normalizes the rounded sum.
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * K + cols, x, mask=mask)
     xf = x.to(tl.float32)
@@ -166,8 +179,16 @@ def _rmsnorm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, K, eps,
         _quantize_row(normed.to(tl.float32), fp8_ptr + row * K + cols, mask, scale_ptr + row, FMAX)
     elif INT8_GROUP > 0:
         groups = K // INT8_GROUP
-        _store_int8_groups(normed.to(tl.float32), 0, K, fp8_ptr + row * K, scale_ptr + row * groups,
-                           sum_ptr + row * groups, BLOCK_K, INT8_GROUP)
+        _store_int8_groups(
+            normed.to(tl.float32),
+            0,
+            K,
+            fp8_ptr + row * K,
+            scale_ptr + row * groups,
+            sum_ptr + row * groups,
+            BLOCK_K,
+            INT8_GROUP,
+        )
     else:
         tl.store(out_ptr + row * K + cols, normed, mask=mask)
 
@@ -201,8 +222,9 @@ def _cos_sin(pos_cs, D: tl.constexpr):
 
 
 @triton.jit
-def _apply_norm_rope(src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                     dtype: tl.constexpr):
+def _apply_norm_rope(
+    src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HAS_NORM: tl.constexpr, dtype: tl.constexpr
+):
     """Heads [rows, D] at src + d (src [rows, 1] pointers), optionally rmsnormed per head, rotated neox-style:
     element d pairs with the one half a head away. w .. sin: _head_norm_weight and _cos_sin."""
     HALF: tl.constexpr = D // 2
@@ -217,9 +239,25 @@ def _apply_norm_rope(src, w, w_swapped, cos, sin, eps, mask, D: tl.constexpr, HA
 
 
 @triton.jit
-def _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H: tl.constexpr,
-                  KVH: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
-                  dtype: tl.constexpr, ok=True):
+def _store_new_kv(
+    row_ptr,
+    kw,
+    kw_swapped,
+    cos,
+    sin,
+    eps,
+    slot,
+    kvh,
+    k_cache,
+    v_cache,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    dtype: tl.constexpr,
+    ok=True,
+):
     """Rotated keys and the values of kv heads kvh .. kvh + BLOCK_KV (< KVH) of one qkv row, into cache slot;
     returns them ([BLOCK_KV, D] each, as stored). kw .. sin: the key's _head_norm_weight and _cos_sin. ok False:
     nothing is read or stored."""
@@ -237,9 +275,26 @@ def _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_
 
 
 @triton.jit
-def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache,
-                           stride_qkv, eps, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+def _qkv_rope_store_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    qn_ptr,
+    kn_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    k_cache,
+    v_cache,
+    stride_qkv,
+    eps,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     _after_producer(PDL)
     t = tl.program_id(0)
     dtype = q_out_ptr.dtype.element_ty
@@ -253,13 +308,24 @@ def _qkv_rope_store_kernel(qkv_ptr, q_out_ptr, qn_ptr, kn_ptr, cos_sin_ptr, pos_
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
-        _store_new_kv(row, kw, kw_swapped, cos, sin, eps, slot, 0, k_cache, v_cache, H, KVH, D, BLOCK_KV, HAS_NORM,
-                      dtype)
+        _store_new_kv(
+            row, kw, kw_swapped, cos, sin, eps, slot, 0, k_cache, v_cache, H, KVH, D, BLOCK_KV, HAS_NORM, dtype
+        )
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_k, stride_v, WIDTH: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache,
+    v_cache,
+    slot_ptr,
+    stride_k,
+    stride_v,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     _after_producer(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -279,15 +345,28 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slot_ptr, stride_k, stride_
 def _as_dot_operand(q, k_cache):
     """q in the dtype attention's dots run in: an fp8-e5m2 cache widens exactly to fp16, so 16-bit activations
     meet it there (fp32 stays fp32)."""
-    if k_cache.dtype.element_ty == tl.float8e5:
+    if k_cache.dtype.element_ty == tl.float8e5:  # noqa: SIM102 (constexpr tests, kept apart for Triton)
         if q.dtype != tl.float32:
             q = q.to(tl.float16)
     return q
 
 
 @triton.jit
-def _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH: tl.constexpr, D: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, dtype: tl.constexpr):
+def _kv_tile(
+    k_cache,
+    v_cache,
+    tables_ptr,
+    seq,
+    kvh,
+    start,
+    hi,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    max_blocks,
+    dtype: tl.constexpr,
+):
     """Cached keys and values of positions start .. start + BLOCK_N (< hi) through the block table: (k, v, n)."""
     d = tl.arange(0, D)
     n = start + tl.arange(0, BLOCK_N)
@@ -325,29 +404,69 @@ def _softmax_step(s, m_i):
 
 
 @triton.jit
-def _attention_tile(q, k_cache, v_cache, tables_ptr, seq, kvh, q_pos, lo, hi, row_lo, row_hi, scale,
-                    KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, max_blocks, acc, m_i, l_i):
+def _attention_tile(
+    q,
+    k_cache,
+    v_cache,
+    tables_ptr,
+    seq,
+    kvh,
+    q_pos,
+    lo,
+    hi,
+    row_lo,
+    row_hi,
+    scale,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    max_blocks,
+    acc,
+    m_i,
+    l_i,
+):
     """Online softmax of q [BLOCK_M, D] over cached keys lo..hi (each row sees row_lo .. row_hi of them, see
     _softmax_update), continuing from (acc, running max, running sum); q arrives as _as_dot_operand made it."""
     for start in range(lo, hi, BLOCK_N):
-        k, v, n = _kv_tile(k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
-                           max_blocks, q.dtype)
+        k, v, n = _kv_tile(
+            k_cache, v_cache, tables_ptr, seq, kvh, start, hi, KVH, D, BLOCK_SIZE, BLOCK_N, max_blocks, q.dtype
+        )
         acc, m_i, l_i = _softmax_update(q, k, v, n, row_lo, row_hi, q_pos, scale, acc, m_i, l_i)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _softmax_start(BLOCK_M: tl.constexpr, D: tl.constexpr):
-    return (tl.zeros([BLOCK_M, D], tl.float32), tl.full([BLOCK_M], float("-inf"), tl.float32),
-            tl.zeros([BLOCK_M], tl.float32))
+    return (
+        tl.zeros([BLOCK_M, D], tl.float32),
+        tl.full([BLOCK_M], float("-inf"), tl.float32),
+        tl.zeros([BLOCK_M], tl.float32),
+    )
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale, max_blocks,
-                            rows_per_table, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    tables_ptr,
+    qstart_ptr,
+    ctx_ptr,
+    scale,
+    max_blocks,
+    rows_per_table,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (sequence, kv head, query tile); a tile's rows are (query token, head of the kv group) pairs."""
     _after_producer(PDL)
     seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -366,9 +485,29 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, tables_ptr, qstart
         q_pos = ctx - q_len + t
         hi = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_Q)  # causal: later keys are invisible to this tile
         acc, m_i, l_i = _softmax_start(BLOCK_M, D)
-        acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, seq // rows_per_table, kvh, q_pos, 0, hi,
-                                        0, hi, scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i,
-                                        l_i)
+        acc, m_i, l_i = _attention_tile(
+            q,
+            k_cache,
+            v_cache,
+            tables_ptr,
+            seq // rows_per_table,
+            kvh,
+            q_pos,
+            0,
+            hi,
+            0,
+            hi,
+            scale,
+            KVH,
+            D,
+            BLOCK_SIZE,
+            BLOCK_M,
+            BLOCK_N,
+            max_blocks,
+            acc,
+            m_i,
+            l_i,
+        )
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_offs, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -381,19 +520,49 @@ def _e5m2_pairs_to_fp16(pairs):
         even = (pairs << 8).to(tl.float16, bitcast=True)
         odd = (pairs & -256).to(tl.float16, bitcast=True)
     else:
-        even = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x2404;", "=r,r", [pairs], dtype=tl.float16,
-                                         is_pure=True, pack=2)
-        odd = tl.inline_asm_elementwise("and.b32 $0, $1, 0xFF00FF00;", "=r,r", [pairs], dtype=tl.float16,
-                                        is_pure=True, pack=2)
+        even = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, 0, 0x2404;", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2
+        )
+        odd = tl.inline_asm_elementwise(
+            "and.b32 $0, $1, 0xFF00FF00;", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2
+        )
     return even, odd
 
 
 @triton.jit
-def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tables_ptr, qstart_ptr, ctx_ptr, scale,
-                        max_blocks, rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
-                        out_scale_ptr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                        FMAX: tl.constexpr, PDL: tl.constexpr, SCALE_HEADS: tl.constexpr = 1):
+def _decode_e5m2_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    k_pairs,
+    v_pairs,
+    out_ptr,
+    tables_ptr,
+    qstart_ptr,
+    ctx_ptr,
+    scale,
+    max_blocks,
+    rows_per_table,
+    stride_q,
+    qn_ptr,
+    kn_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    eps,
+    out_scale_ptr,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    FMAX: tl.constexpr,
+    PDL: tl.constexpr,
+    SCALE_HEADS: tl.constexpr = 1,
+):
     """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
     int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
     odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
@@ -426,12 +595,38 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
         j = tl.arange(0, HALF)
         if ROPE:
             row_ptr = q_ptr + q_first * stride_q
-            q = _apply_norm_rope(row_ptr + head[:, None] * D, qw, qw_swapped, cos, sin, eps, ok[:, None], D,
-                                 HAS_NORM, q_ptr.dtype.element_ty)
+            q = _apply_norm_rope(
+                row_ptr + head[:, None] * D,
+                qw,
+                qw_swapped,
+                cos,
+                sin,
+                eps,
+                ok[:, None],
+                D,
+                HAS_NORM,
+                q_ptr.dtype.element_ty,
+            )
             q_even, q_odd = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))
             if slot >= 0:
-                _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H, KVH, D, 1,
-                              HAS_NORM, q_ptr.dtype.element_ty)
+                _store_new_kv(
+                    row_ptr,
+                    kw,
+                    kw_swapped,
+                    cos,
+                    sin,
+                    eps,
+                    slot,
+                    kvh,
+                    k_cache,
+                    v_cache,
+                    H,
+                    KVH,
+                    D,
+                    1,
+                    HAS_NORM,
+                    q_ptr.dtype.element_ty,
+                )
             tl.debug_barrier()
         else:
             q_offs = q_first * (H * D) + head[:, None] * D + 2 * j[None, :]
@@ -476,23 +671,69 @@ def _decode_e5m2_kernel(q_ptr, k_cache, v_cache, k_pairs, v_pairs, out_ptr, tabl
 
 
 @triton.jit
-def _new_kv_into_tile(row_ptr, pos, slot, cos, sin, lo, hi, n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache,
-                      H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                      dtype: tl.constexpr):
+def _new_kv_into_tile(
+    row_ptr,
+    pos,
+    slot,
+    cos,
+    sin,
+    lo,
+    hi,
+    n0,
+    k0,
+    v0,
+    kw,
+    kw_swapped,
+    eps,
+    kvh,
+    k_cache,
+    v_cache,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """A qkv row's new key and value, if its position falls in lo .. hi: into the cache and into the first key
     tile (k0, v0 at positions n0, already read), which are returned."""
     if (pos >= lo) & (pos < hi) & (slot >= 0):
-        new_k, new_v = _store_new_kv(row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H, KVH, D,
-                                     1, HAS_NORM, dtype)
+        new_k, new_v = _store_new_kv(
+            row_ptr, kw, kw_swapped, cos, sin, eps, slot, kvh, k_cache, v_cache, H, KVH, D, 1, HAS_NORM, dtype
+        )
         k0 = tl.where((n0 == pos)[:, None], new_k.to(k0.dtype), k0)
         v0 = tl.where((n0 == pos)[:, None], new_v.to(v0.dtype), v0)
     return k0, v0
 
 
 @triton.jit
-def _new_kvs_into_tile(qkv_ptr, stride, first, last, pos_ptr, slot_ptr, pos, slot, cos_sin_ptr, lo, hi, n0, k0, v0,
-                       kw, kw_swapped, eps, kvh, k_cache, v_cache, H: tl.constexpr, KVH: tl.constexpr,
-                       D: tl.constexpr, HAS_NORM: tl.constexpr, NEW_ROWS: tl.constexpr, dtype: tl.constexpr):
+def _new_kvs_into_tile(
+    qkv_ptr,
+    stride,
+    first,
+    last,
+    pos_ptr,
+    slot_ptr,
+    pos,
+    slot,
+    cos_sin_ptr,
+    lo,
+    hi,
+    n0,
+    k0,
+    v0,
+    kw,
+    kw_swapped,
+    eps,
+    kvh,
+    k_cache,
+    v_cache,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    NEW_ROWS: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """_new_kv_into_tile for the qkv rows first .. last (<= first + NEW_ROWS; pos and slot: theirs, -1 past last).
     Each row is roped as one [1, D] tile, as a decode row's own key is (the same bits, q/k norm included); the
     tile positions they land on then read back what was stored (the barrier makes this program's stores visible
@@ -505,16 +746,49 @@ def _new_kvs_into_tile(qkv_ptr, stride, first, last, pos_ptr, slot_ptr, pos, slo
             slot_j = tl.load(slot_ptr + j)
             if (slot_j >= 0) & (pos_j >= lo) & (pos_j < hi):
                 cos, sin = _cos_sin(cos_sin_ptr + pos_j.to(tl.int64) * D, D)
-                _store_new_kv(qkv_ptr + j * stride, kw, kw_swapped, cos, sin, eps, slot_j, kvh, k_cache, v_cache, H,
-                              KVH, D, 1, HAS_NORM, dtype)
+                _store_new_kv(
+                    qkv_ptr + j * stride,
+                    kw,
+                    kw_swapped,
+                    cos,
+                    sin,
+                    eps,
+                    slot_j,
+                    kvh,
+                    k_cache,
+                    v_cache,
+                    H,
+                    KVH,
+                    D,
+                    1,
+                    HAS_NORM,
+                    dtype,
+                )
     else:
         for r in tl.static_range(NEW_ROWS):
             j = first + r + tl.zeros([1], tl.int32)  # [1]: the interpreter takes tensor masks only
             pos_j = tl.load(pos_ptr + j, mask=j < last, other=-1)
             slot_j = tl.load(slot_ptr + j, mask=j < last, other=-1)
             cos, sin = _cos_sin(cos_sin_ptr + tl.maximum(pos_j, 0).to(tl.int64) * D, D)
-            _store_new_kv(qkv_ptr + j * stride, kw, kw_swapped, cos, sin, eps, slot_j, kvh, k_cache, v_cache, H, KVH,
-                          D, 1, HAS_NORM, dtype, ok=(slot_j >= 0) & (pos_j >= lo) & (pos_j < hi))
+            _store_new_kv(
+                qkv_ptr + j * stride,
+                kw,
+                kw_swapped,
+                cos,
+                sin,
+                eps,
+                slot_j,
+                kvh,
+                k_cache,
+                v_cache,
+                H,
+                KVH,
+                D,
+                1,
+                HAS_NORM,
+                dtype,
+                ok=(slot_j >= 0) & (pos_j >= lo) & (pos_j < hi),
+            )
     new = (slot >= 0) & (pos >= lo) & (pos < hi)
     # The slot each tile position's new key went to (positions of one sequence's rows differ), else -1.
     landed = tl.max(tl.where((n0[:, None] == pos[None, :]) & new[None, :], slot[None, :], -1), axis=1)[:, None]
@@ -526,11 +800,37 @@ def _new_kvs_into_tile(qkv_ptr, stride, first, last, pos_ptr, slot_ptr, pos, slo
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks,
-                         rows_per_table, stride_q, qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps,
-                         H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                         NEW_ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache,
+    v_cache,
+    part_ptr,
+    ml_ptr,
+    tables_ptr,
+    ctx_ptr,
+    scale,
+    max_blocks,
+    rows_per_table,
+    stride_q,
+    qn_ptr,
+    kn_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    eps,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    NEW_ROWS: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Decode only (one query row each; a block-table row serves rows_per_table consecutive rows): split s of
     SPLITS covers one slice of each row's context. The slices depend on the context length alone, so a row's
     result does not depend on how many other rows the step has.
@@ -553,10 +853,43 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
     first = group_first + (tile % tiles_a_table) * BLOCK_Q
     last = tl.minimum(first + BLOCK_Q, group_first + rows_per_table)  # one past this program's last row
     if BLOCK_Q == 1 or HAS_NORM:  # with q/k norm the verify rows' new keys go a row at a time, skipping dead rows
-        _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
-            qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
-            H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL,
-            ONE_ROW=BLOCK_Q == 1)
+        _split_program(
+            q_ptr,
+            k_cache,
+            v_cache,
+            part_ptr,
+            ml_ptr,
+            tables_ptr,
+            ctx_ptr,
+            scale,
+            max_blocks,
+            stride_q,
+            qn_ptr,
+            kn_ptr,
+            cos_sin_ptr,
+            pos_ptr,
+            slot_ptr,
+            eps,
+            table_row,
+            group_first,
+            first,
+            last,
+            kvh,
+            split,
+            H,
+            KVH,
+            D,
+            BLOCK_SIZE,
+            BLOCK_M,
+            BLOCK_N,
+            SPLITS,
+            BLOCK_Q,
+            NEW_ROWS,
+            ROPE,
+            HAS_NORM,
+            PDL,
+            ONE_ROW=BLOCK_Q == 1,
+        )
     else:
         # A verify step's rows past its drafts have context 0. When the table row's own token is this program's
         # only live row (a step without drafts), it runs as a decode row (its bits are a decode row's either way),
@@ -568,22 +901,121 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, 
         later_dead = tl.max(tl.where(rows > first, ctx, 0), axis=0) == 0
         first_dead = tl.max(tl.where(rows == first, ctx, 0), axis=0) == 0
         if later_dead & ((first == group_first) | first_dead):
-            _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
-                qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
-                H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL, ONE_ROW=True)
+            _split_program(
+                q_ptr,
+                k_cache,
+                v_cache,
+                part_ptr,
+                ml_ptr,
+                tables_ptr,
+                ctx_ptr,
+                scale,
+                max_blocks,
+                stride_q,
+                qn_ptr,
+                kn_ptr,
+                cos_sin_ptr,
+                pos_ptr,
+                slot_ptr,
+                eps,
+                table_row,
+                group_first,
+                first,
+                last,
+                kvh,
+                split,
+                H,
+                KVH,
+                D,
+                BLOCK_SIZE,
+                BLOCK_M,
+                BLOCK_N,
+                SPLITS,
+                BLOCK_Q,
+                NEW_ROWS,
+                ROPE,
+                HAS_NORM,
+                PDL,
+                ONE_ROW=True,
+            )
         else:
-            _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q,
-                qn_ptr, kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
-                H, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, SPLITS, BLOCK_Q, NEW_ROWS, ROPE, HAS_NORM, PDL, ONE_ROW=False)
+            _split_program(
+                q_ptr,
+                k_cache,
+                v_cache,
+                part_ptr,
+                ml_ptr,
+                tables_ptr,
+                ctx_ptr,
+                scale,
+                max_blocks,
+                stride_q,
+                qn_ptr,
+                kn_ptr,
+                cos_sin_ptr,
+                pos_ptr,
+                slot_ptr,
+                eps,
+                table_row,
+                group_first,
+                first,
+                last,
+                kvh,
+                split,
+                H,
+                KVH,
+                D,
+                BLOCK_SIZE,
+                BLOCK_M,
+                BLOCK_N,
+                SPLITS,
+                BLOCK_Q,
+                NEW_ROWS,
+                ROPE,
+                HAS_NORM,
+                PDL,
+                ONE_ROW=False,
+            )
 
 
 @triton.jit
-def _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_ptr, scale, max_blocks, stride_q, qn_ptr,
-                   kn_ptr, cos_sin_ptr, pos_ptr, slot_ptr, eps, table_row, group_first, first, last, kvh, split,
-                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   NEW_ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr,
-                   ONE_ROW: tl.constexpr):
+def _split_program(
+    q_ptr,
+    k_cache,
+    v_cache,
+    part_ptr,
+    ml_ptr,
+    tables_ptr,
+    ctx_ptr,
+    scale,
+    max_blocks,
+    stride_q,
+    qn_ptr,
+    kn_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    eps,
+    table_row,
+    group_first,
+    first,
+    last,
+    kvh,
+    split,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    NEW_ROWS: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+    ONE_ROW: tl.constexpr,
+):
     """_decode_split_kernel's work for rows first .. last - 1; ONE_ROW: row `first` alone attends (as decode), the
     others' results are stored empty (no keys: the reduce gives them zeros)."""
     GROUP: tl.constexpr = H // KVH
@@ -608,8 +1040,9 @@ def _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_pt
         # Read before the wait, as none of it comes from qkv's producer: the first key tile, the rows' positions
         # (written before layer 0), the norm weights and the positions' cos / sin; a decode row's slot too (verify
         # rows read theirs in the new-key loop below, where each row's position and cos / sin come from cache).
-        k0, v0, n0 = _kv_tile(k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N,
-                              max_blocks, dtype)
+        k0, v0, n0 = _kv_tile(
+            k_cache, v_cache, tables_ptr, table_row, kvh, lo, hi, KVH, D, BLOCK_SIZE, BLOCK_N, max_blocks, dtype
+        )
         qw, qw_swapped = _head_norm_weight(qn_ptr, D, HAS_NORM)
         kw, kw_swapped = _head_norm_weight(kn_ptr, D, HAS_NORM)
         if ONE_ROW:  # a decode row: its key's position, slot and cos / sin too
@@ -630,24 +1063,106 @@ def _split_program(q_ptr, k_cache, v_cache, part_ptr, ml_ptr, tables_ptr, ctx_pt
     q_pos = ctx - 1
     acc, m_i, l_i = _softmax_start(BLOCK_M, D)
     if ROPE:
-        q = _as_dot_operand(_apply_norm_rope(q_ptr + row[:, None] * stride_q + head[:, None] * D, qw, qw_swapped,
-                                             cos, sin, eps, ok_q[:, None], D, HAS_NORM, dtype), k_cache)
+        q = _as_dot_operand(
+            _apply_norm_rope(
+                q_ptr + row[:, None] * stride_q + head[:, None] * D,
+                qw,
+                qw_swapped,
+                cos,
+                sin,
+                eps,
+                ok_q[:, None],
+                D,
+                HAS_NORM,
+                dtype,
+            ),
+            k_cache,
+        )
         k0, v0 = k0.to(q.dtype), v0.to(q.dtype)  # exact: an e5m2 tile read as 16-bit, fp16 for the dots
         if ONE_ROW:
-            k0, v0 = _new_kv_into_tile(q_ptr + first * stride_q, own_pos, own_slot, cos, sin, lo, hi, n0, k0, v0,
-                                       kw, kw_swapped, eps, kvh, k_cache, v_cache, H, KVH, D, HAS_NORM, dtype)
+            k0, v0 = _new_kv_into_tile(
+                q_ptr + first * stride_q,
+                own_pos,
+                own_slot,
+                cos,
+                sin,
+                lo,
+                hi,
+                n0,
+                k0,
+                v0,
+                kw,
+                kw_swapped,
+                eps,
+                kvh,
+                k_cache,
+                v_cache,
+                H,
+                KVH,
+                D,
+                HAS_NORM,
+                dtype,
+            )
         elif puts_keys:  # the new keys of this program's rows and of the earlier ones, all at once
-            k0, v0 = _new_kvs_into_tile(q_ptr, stride_q, group_first, last, pos_ptr, slot_ptr, new_pos, new_slot,
-                                        cos_sin_ptr, lo, hi, n0, k0, v0, kw, kw_swapped, eps, kvh, k_cache, v_cache,
-                                        H, KVH, D, HAS_NORM, NEW_ROWS, dtype)
+            k0, v0 = _new_kvs_into_tile(
+                q_ptr,
+                stride_q,
+                group_first,
+                last,
+                pos_ptr,
+                slot_ptr,
+                new_pos,
+                new_slot,
+                cos_sin_ptr,
+                lo,
+                hi,
+                n0,
+                k0,
+                v0,
+                kw,
+                kw_swapped,
+                eps,
+                kvh,
+                k_cache,
+                v_cache,
+                H,
+                KVH,
+                D,
+                HAS_NORM,
+                NEW_ROWS,
+                dtype,
+            )
         tl.debug_barrier()  # the new keys past the first tile are in the cache before the loop reads them
         acc, m_i, l_i = _softmax_update(q, k0, v0, n0, row_lo, row_hi, q_pos, scale, acc, m_i, l_i)
         lo += BLOCK_N
     else:
-        q = _as_dot_operand(tl.load(q_ptr + row[:, None] * stride_q + head[:, None] * D + d[None, :],
-                                    mask=ok_q[:, None], other=0.0), k_cache)
-    acc, m_i, l_i = _attention_tile(q, k_cache, v_cache, tables_ptr, table_row, kvh, q_pos, lo, hi, row_lo, row_hi,
-                                    scale, KVH, D, BLOCK_SIZE, BLOCK_M, BLOCK_N, max_blocks, acc, m_i, l_i)
+        q = _as_dot_operand(
+            tl.load(q_ptr + row[:, None] * stride_q + head[:, None] * D + d[None, :], mask=ok_q[:, None], other=0.0),
+            k_cache,
+        )
+    acc, m_i, l_i = _attention_tile(
+        q,
+        k_cache,
+        v_cache,
+        tables_ptr,
+        table_row,
+        kvh,
+        q_pos,
+        lo,
+        hi,
+        row_lo,
+        row_hi,
+        scale,
+        KVH,
+        D,
+        BLOCK_SIZE,
+        BLOCK_M,
+        BLOCK_N,
+        max_blocks,
+        acc,
+        m_i,
+        l_i,
+    )
     base = (row * H + head) * SPLITS + split
     tl.store(part_ptr + base[:, None] * D + d[None, :], acc, mask=ok[:, None])
     tl.store(ml_ptr + base * 2, m_i, mask=ok)
@@ -661,7 +1176,7 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
     m = tl.load(ml_ptr + (row * SPLITS + s) * 2)
-    l = tl.load(ml_ptr + (row * SPLITS + s) * 2 + 1)
+    l = tl.load(ml_ptr + (row * SPLITS + s) * 2 + 1)  # noqa: E741 (the softmax sum, as in the papers)
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
     acc = tl.sum(tl.load(part_ptr + (row * SPLITS + s)[:, None] * D + d[None, :]) * w[:, None], axis=0)
@@ -674,8 +1189,17 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, scale_ptr=None,
-                     FMAX: tl.constexpr = 0.0, sum_ptr=None, INT8_GROUP: tl.constexpr = 0):
+def _silu_mul_kernel(
+    x_ptr,
+    out_ptr,
+    N,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    scale_ptr=None,
+    FMAX: tl.constexpr = 0.0,
+    sum_ptr=None,
+    INT8_GROUP: tl.constexpr = 0,
+):
     """silu(gate) * up; with FMAX out takes each program's BLOCK columns as fp8 and scale_ptr their scale
     ([rows, programs along the row]: one program a row, BLOCK >= N, makes it per token); with INT8_GROUP (which
     divides BLOCK) out, scale_ptr and sum_ptr take Int8Rows."""
@@ -689,12 +1213,25 @@ def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr, 
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
     act = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     if FMAX > 0:
-        _quantize_row(act.to(tl.float32), out_ptr + row * N + cols, m,
-                      scale_ptr + row * tl.num_programs(1) + tl.program_id(1), FMAX)
+        _quantize_row(
+            act.to(tl.float32),
+            out_ptr + row * N + cols,
+            m,
+            scale_ptr + row * tl.num_programs(1) + tl.program_id(1),
+            FMAX,
+        )
     elif INT8_GROUP > 0:
         groups = N // INT8_GROUP
-        _store_int8_groups(act.to(tl.float32), tl.program_id(1) * BLOCK, N, out_ptr + row * N,
-                           scale_ptr + row * groups, sum_ptr + row * groups, BLOCK, INT8_GROUP)
+        _store_int8_groups(
+            act.to(tl.float32),
+            tl.program_id(1) * BLOCK,
+            N,
+            out_ptr + row * N,
+            scale_ptr + row * groups,
+            sum_ptr + row * groups,
+            BLOCK,
+            INT8_GROUP,
+        )
     else:
         tl.store(out_ptr + row * N + cols, act, mask=m)
 
@@ -710,14 +1247,16 @@ def _fp8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _int8_quant_rows_kernel(x_ptr, q_ptr, scale_ptr, sum_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr):
+def _int8_quant_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, sum_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     _after_producer(PDL)
     row, first = tl.program_id(0), tl.program_id(1) * BLOCK
     cols = first + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-    _store_int8_groups(x, first, K, q_ptr + row * K, scale_ptr + row * (K // GROUP), sum_ptr + row * (K // GROUP),
-                       BLOCK, GROUP)
+    _store_int8_groups(
+        x, first, K, q_ptr + row * K, scale_ptr + row * (K // GROUP), sum_ptr + row * (K // GROUP), BLOCK, GROUP
+    )
 
 
 @triton.jit
@@ -758,8 +1297,19 @@ DENSE, FP8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constexpr, GROUP: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_rows(
+    w_ptr,
+    scales_ptr,
+    offsets_ptr,
+    n,
+    n_ok,
+    K,
+    k0,
+    WKIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """BLOCK_N weight rows at n, columns k0 .. k0 + BLOCK_K (those < K), as stored, with their scales and offsets
     (unused ones are 0): (w, s, o). An int4 piece starts and ends on group boundaries."""
     if WKIND == 2:  # int32 words of 8 nibbles (byte j: columns 2j, 2j + 1)
@@ -768,8 +1318,11 @@ def _load_rows(w_ptr, scales_ptr, offsets_ptr, n, n_ok, K, k0, WKIND: tl.constex
         # words at most, one where K is not a multiple of 16 (benchmarks/ptx_census.py).
         words = (K // X_BLOCK) * (X_BLOCK // 8)
         i = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * words + i[None, :],
-                    mask=n_ok[:, None] & (i < words)[None, :], other=0)
+        w = tl.load(
+            w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * words + i[None, :],
+            mask=n_ok[:, None] & (i < words)[None, :],
+            other=0,
+        )
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = n_ok[:, None] & (g < K // GROUP)[None, :]
         s = tl.load(scales_ptr + n[:, None] * (K // GROUP) + g[None, :], mask=g_mask, other=0.0)
@@ -795,8 +1348,9 @@ def _dp4a(a, b, c):
         for i in tl.static_range(4):
             out += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
     else:
-        out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                        is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
     return out
 
 
@@ -823,26 +1377,30 @@ def _x_int8(xf, BLOCK_K: tl.constexpr, XB: tl.constexpr):
 
 
 @triton.jit
-def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   XB: tl.constexpr):
+def _int4_row_dots(w, s, o, xq, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr):
     """W · x for int4 rows (int32 words) and x from _x_int8 (blocks of XB columns) or _packed_x. Exact integer
     sums a block, then sum((q s + o) x) = x_scale (s sum(q xi) + o sum(xi)) a block: about a fifth of the
     instructions of meeting every nibble with a float (a 4-row program: 2 words, 4 dp4a, 3 masks per 16 weights)."""
     x_even, x_odd, x_scale, x_sums = xq
-    dots = _dp4a((w >> 4) & 0x0F0F0F0F, tl.broadcast_to(x_odd[None, :], w.shape),
-                 _dp4a(w & 0x0F0F0F0F, tl.broadcast_to(x_even[None, :], w.shape), tl.zeros(w.shape, tl.int32)))
+    dots = _dp4a(
+        (w >> 4) & 0x0F0F0F0F,
+        tl.broadcast_to(x_odd[None, :], w.shape),
+        _dp4a(w & 0x0F0F0F0F, tl.broadcast_to(x_even[None, :], w.shape), tl.zeros(w.shape, tl.int32)),
+    )
     PER_GROUP: tl.constexpr = GROUP // XB
     GROUPS: tl.constexpr = BLOCK_K // GROUP
-    blocks = tl.reshape(tl.sum(tl.reshape(dots, (BLOCK_N, BLOCK_K // XB, XB // 8)), axis=2),
-                        (BLOCK_N, GROUPS, PER_GROUP)).to(tl.float32)
+    blocks = tl.reshape(
+        tl.sum(tl.reshape(dots, (BLOCK_N, BLOCK_K // XB, XB // 8)), axis=2), (BLOCK_N, GROUPS, PER_GROUP)
+    ).to(tl.float32)
     x_sums = tl.reshape(x_sums, (GROUPS, PER_GROUP))[None, :, :]
     x_scale = tl.reshape(x_scale, (GROUPS, PER_GROUP))[None, :, :]
     return tl.sum(tl.sum(x_scale * (s[:, :, None] * blocks + o[:, :, None] * x_sums), axis=2), axis=1)
 
 
 @triton.jit
-def _row_dots(w, s, o, x, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              XB: tl.constexpr):
+def _row_dots(
+    w, s, o, x, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr
+):
     """W · x for the rows _load_rows returned: x [BLOCK_K] float32 (zero past K), or for int4 rows _x_int8 of it
     (blocks of XB columns) or _packed_x."""
     if WKIND == 2:
@@ -880,9 +1438,12 @@ def _packed_x(row_ptr, K, k0, row, ROWS, BLOCK_K: tl.constexpr):
     b = k0 // PACKED_BLOCK + tl.arange(0, BLOCK_K // PACKED_BLOCK)
     i_ok, b_ok = (i < K // 8) & (i * 0 + row < ROWS), (b < K // PACKED_BLOCK) & (b * 0 + row < ROWS)
     words = row_ptr.to(tl.pointer_type(tl.int32))
-    return (tl.load(words + i, mask=i_ok, other=0), tl.load(words + K // 8 + i, mask=i_ok, other=0),
-            tl.load(row_ptr + K // 4 + b, mask=b_ok, other=0.0),
-            tl.load(row_ptr + K // 4 + K // PACKED_BLOCK + b, mask=b_ok, other=0.0))
+    return (
+        tl.load(words + i, mask=i_ok, other=0),
+        tl.load(words + K // 8 + i, mask=i_ok, other=0),
+        tl.load(row_ptr + K // 4 + b, mask=b_ok, other=0.0),
+        tl.load(row_ptr + K // 4 + K // PACKED_BLOCK + b, mask=b_ok, other=0.0),
+    )
 
 
 @triton.jit
@@ -894,8 +1455,23 @@ def _packed_rms(row_ptr, K, parts, eps, row, ROWS, P_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, n_ok, pid, QRES: tl.constexpr,
-                  QNORM: tl.constexpr, BLOCK_N: tl.constexpr, Q_PBLOCK: tl.constexpr):
+def _store_packed(
+    acc,
+    out_ptr,
+    res_ptr,
+    res_out_ptr,
+    nwq,
+    row,
+    ROWS,
+    N_OUT,
+    n,
+    n_ok,
+    pid,
+    QRES: tl.constexpr,
+    QNORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    Q_PBLOCK: tl.constexpr,
+):
     """Program pid's outputs acc [BLOCK_N] of a row as the PackedX of the next projection's input: QRES adds the
     residual (and stores the sum as the new residual), QNORM stores its sum of squares and multiplies by the next
     norm's weight nwq (the next GEMV applies 1 / rms to its dots: rounding in blocks does not see a row's scale)."""
@@ -908,8 +1484,11 @@ def _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, 
     row_ptr = out_ptr + row * (N_OUT // 4 + N_OUT // 8 + Q_PBLOCK)
     if QNORM:
         one = tl.arange(0, 1)
-        tl.store(row_ptr + N_OUT // 4 + N_OUT // 8 + pid + one, tl.sum(y * y, axis=0) + tl.zeros([1], tl.float32),
-                 mask=one * 0 + row < ROWS)
+        tl.store(
+            row_ptr + N_OUT // 4 + N_OUT // 8 + pid + one,
+            tl.sum(y * y, axis=0) + tl.zeros([1], tl.float32),
+            mask=one * 0 + row < ROWS,
+        )
         y = y * nwq
     even, odd, scale, sums = _x_int8(y, BLOCK_N, PACKED_BLOCK)
     i = pid * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -923,12 +1502,39 @@ def _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, 
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, live_ptr, ROWS,
-                      K, N_OUT, eps, X_PARTS, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
-                      WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_KB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIVE: tl.constexpr, PDL: tl.constexpr,
-                      PACKED: tl.constexpr, P_BLOCK: tl.constexpr, QOUT: tl.constexpr, QRES: tl.constexpr,
-                      QNORM: tl.constexpr, Q_PBLOCK: tl.constexpr):
+def _norm_gemv_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    w_ptr,
+    scales_ptr,
+    offsets_ptr,
+    out_ptr,
+    live_ptr,
+    ROWS,
+    K,
+    N_OUT,
+    eps,
+    X_PARTS,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SILU: tl.constexpr,
+    WKIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    LIVE: tl.constexpr,
+    PDL: tl.constexpr,
+    PACKED: tl.constexpr,
+    P_BLOCK: tl.constexpr,
+    QOUT: tl.constexpr,
+    QRES: tl.constexpr,
+    QNORM: tl.constexpr,
+    Q_PBLOCK: tl.constexpr,
+):
     """out[row] = W · rmsnorm(x[row] (+ res[row])), the whole row in registers; SILU folds silu(gate) * up in.
 
     Program (n block, row block) holds BLOCK_N rows of W and the norm weight (read before the wait for the
@@ -965,8 +1571,9 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
         up_n = n + N_OUT
         w_up, s_up, o_up = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, 0, WKIND, GROUP, BLOCK_N, BLOCK_K)
         if TWO:
-            w_upb, s_upb, o_upb = _load_rows(w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, BLOCK_K, WKIND, GROUP,
-                                             BLOCK_N, BLOCK_KB)
+            w_upb, s_upb, o_upb = _load_rows(
+                w_ptr, scales_ptr, offsets_ptr, up_n, n_ok, K, BLOCK_K, WKIND, GROUP, BLOCK_N, BLOCK_KB
+            )
     k = tl.arange(0, BLOCK_K)
     if TWO:
         kb = BLOCK_K + tl.arange(0, BLOCK_KB)
@@ -1020,18 +1627,56 @@ def _norm_gemv_kernel(x_ptr, res_ptr, res_out_ptr, nw_ptr, w_ptr, scales_ptr, of
                 gate = acc.to(tl.float32)
                 acc = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
             if QOUT:
-                _store_packed(acc, out_ptr, res_ptr, res_out_ptr, nwq, row, ROWS, N_OUT, n, n_ok, pid, QRES, QNORM,
-                              BLOCK_N, Q_PBLOCK)
+                _store_packed(
+                    acc,
+                    out_ptr,
+                    res_ptr,
+                    res_out_ptr,
+                    nwq,
+                    row,
+                    ROWS,
+                    N_OUT,
+                    n,
+                    n_ok,
+                    pid,
+                    QRES,
+                    QNORM,
+                    BLOCK_N,
+                    Q_PBLOCK,
+                )
             else:
                 tl.store(out_ptr + row * N_OUT + n, acc, mask=n_ok & (n * 0 + row < ROWS))
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_ptr, keys_ptr, part_ptr, count_ptr,
-                        M, N, K, WKIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                        LINE: tl.constexpr, KEY_CHUNKS: tl.constexpr, PDL: tl.constexpr, X_GROUP: tl.constexpr = 0,
-                        INT8_X: tl.constexpr = False, x_sum_ptr=None, W_AS_A: tl.constexpr = False):
+def _skinny_gemm_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    scales_ptr,
+    offsets_ptr,
+    out_ptr,
+    keys_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    WKIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE: tl.constexpr,
+    KEY_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
+    X_GROUP: tl.constexpr = 0,
+    INT8_X: tl.constexpr = False,
+    x_sum_ptr=None,
+    W_AS_A: tl.constexpr = False,
+):
     """out = x · Wᵀ for decode-sized batches (up to 64 rows): W streamed once through a pipelined K loop.
 
     FP8 (WKIND 1): x arrives quantized per token (x_scale [M]) and both operands go to the fp8 tensor cores as
@@ -1070,18 +1715,35 @@ def _skinny_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scales_ptr, offsets_ptr, out_
                 rk = k0 + g * SUB + tl.arange(0, SUB)
                 x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
                 w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
-                x_scale = tl.load(x_scale_ptr + rm * tl.cdiv(K, X_GROUP) + (k0 + g * SUB) // X_GROUP, mask=m_ok,
-                                  other=0.0)
+                x_scale = tl.load(
+                    x_scale_ptr + rm * tl.cdiv(K, X_GROUP) + (k0 + g * SUB) // X_GROUP, mask=m_ok, other=0.0
+                )
                 acc += _dot(x, tl.trans(w)) * x_scale[:, None]
         elif INT8_X:
-            acc = _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok,
-                                  K, k0, acc, GROUP, BLOCK_K)
+            acc = _int4_int8_step(
+                x_ptr,
+                x_scale_ptr,
+                x_sum_ptr,
+                w_ptr,
+                scales_ptr,
+                offsets_ptr,
+                rm,
+                m_ok,
+                rn,
+                n_ok,
+                K,
+                k0,
+                acc,
+                GROUP,
+                BLOCK_K,
+            )
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None], other=0.0)
             if WKIND == 2:
-                w = _int4_tile(w_ptr, scales_ptr, offsets_ptr, rn, n_ok, K, k0, GROUP, BLOCK_N, BLOCK_K,
-                               True).to(x.dtype)
+                w = _int4_tile(w_ptr, scales_ptr, offsets_ptr, rn, n_ok, K, k0, GROUP, BLOCK_N, BLOCK_K, True).to(
+                    x.dtype
+                )
             else:
                 w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None], other=0.0)
             if W_AS_A:
@@ -1128,8 +1790,23 @@ def _int8_dot(a, b, acc=None):
 
 
 @triton.jit
-def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_ptr, rm, m_ok, rn, n_ok, K, k0, acc,
-                    GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_int8_step(
+    x_ptr,
+    x_scale_ptr,
+    x_sum_ptr,
+    w_ptr,
+    scales_ptr,
+    offsets_ptr,
+    rm,
+    m_ok,
+    rn,
+    n_ok,
+    K,
+    k0,
+    acc,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """acc + x · Wᵀ over columns k0 .. k0 + BLOCK_K for int4 rows and x as Int8Rows of the weight's group: the
     nibbles meet x on the int8 tensor cores as they are, low nibbles with each group's even columns, high ones
     with its odd columns (stored in that order), so nothing is widened; a group's exact integer dot d then adds
@@ -1138,13 +1815,15 @@ def _int4_int8_step(x_ptr, x_scale_ptr, x_sum_ptr, w_ptr, scales_ptr, offsets_pt
     for g in tl.static_range(BLOCK_K // GROUP):
         first = k0 + g * GROUP
         x_even = tl.load(x_ptr + rm[:, None] * K + (first + tl.arange(0, HALF))[None, :], mask=m_ok[:, None], other=0)
-        x_odd = tl.load(x_ptr + rm[:, None] * K + (first + HALF + tl.arange(0, HALF))[None, :], mask=m_ok[:, None],
-                        other=0)
+        x_odd = tl.load(
+            x_ptr + rm[:, None] * K + (first + HALF + tl.arange(0, HALF))[None, :], mask=m_ok[:, None], other=0
+        )
         x_at = rm * (K // GROUP) + first // GROUP
         x_scale = tl.load(x_scale_ptr + x_at, mask=m_ok, other=0.0)
         x_sum = tl.load(x_sum_ptr + x_at, mask=m_ok, other=0.0)
-        p = tl.load(w_ptr + rn[:, None] * (K // 2) + (first // 2 + tl.arange(0, HALF))[None, :], mask=n_ok[:, None],
-                    other=0)
+        p = tl.load(
+            w_ptr + rn[:, None] * (K // 2) + (first // 2 + tl.arange(0, HALF))[None, :], mask=n_ok[:, None], other=0
+        )
         d = _int8_dot(x_odd, tl.trans((p >> 4).to(tl.int8)), _int8_dot(x_even, tl.trans((p & 0xF).to(tl.int8))))
         w_at = rn * (K // GROUP) + first // GROUP
         s = tl.load(scales_ptr + w_at, mask=n_ok, other=0.0)
@@ -1162,16 +1841,26 @@ def _store_int8_groups(x, first, K, data_ptr, scale_ptr, sum_ptr, BLOCK: tl.cons
     xi, scale, sums = _int8_blocks(tl.reshape(x, (BLOCK // GROUP, GROUP)))
     cols = first + tl.arange(0, BLOCK)
     j = cols % GROUP
-    tl.store(data_ptr + cols - j + (j % 2) * (GROUP // 2) + j // 2, tl.reshape(xi, (BLOCK,)).to(tl.int8),
-             mask=cols < K)
+    tl.store(data_ptr + cols - j + (j % 2) * (GROUP // 2) + j // 2, tl.reshape(xi, (BLOCK,)).to(tl.int8), mask=cols < K)
     g = first // GROUP + tl.arange(0, BLOCK // GROUP)
     tl.store(scale_ptr + g, scale, mask=g * GROUP < K)
     tl.store(sum_ptr + g, sums, mask=g * GROUP < K)
 
 
 @triton.jit
-def _int4_tile(packed_ptr, scales_ptr, offsets_ptr, rows, rows_ok, K, first, GROUP: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _int4_tile(
+    packed_ptr,
+    scales_ptr,
+    offsets_ptr,
+    rows,
+    rows_ok,
+    K,
+    first,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     """Int4Weight rows `rows`, columns first .. first + BLOCK_K (a multiple of GROUP; 0 past K), as float32 values
     q * scale + offset: byte i's nibbles (columns 2i, 2i + 1) interleaved in registers by join. EVEN_K: the tile
     lies inside K, so the loads take row masks only (a mask along K keeps a GEMM's loads out of its software
@@ -1192,8 +1881,18 @@ def _int4_tile(packed_ptr, scales_ptr, offsets_ptr, rows, rows_ok, K, first, GRO
 
 
 @triton.jit
-def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, N, K, GROUP: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _int4_dequant_kernel(
+    packed_ptr,
+    scales_ptr,
+    offsets_ptr,
+    out_ptr,
+    N,
+    K,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One pass from Int4Weight to a 16-bit [N, K] weight (then a GEMM): a program takes BLOCK_R rows x BLOCK_K
     columns; byte i's nibbles (columns 2i, 2i + 1) are interleaved in registers, so each thread stores contiguous
     16-bit runs (a program a row with two stride-2 stores took twice as long on an H200).
@@ -1209,8 +1908,11 @@ def _int4_dequant_kernel(packed_ptr, scales_ptr, offsets_ptr, out_ptr, N, K, GRO
     rows_ok = rows < N
     w = _int4_tile(packed_ptr, scales_ptr, offsets_ptr, rows, rows_ok, K, first, GROUP, BLOCK_R, BLOCK_K, False)
     cols = first + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=rows_ok[:, None] & (cols < K)[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * K + cols[None, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=rows_ok[:, None] & (cols < K)[None, :],
+    )
     if PDL:
         gdc_launch_dependents()
 
@@ -1249,8 +1951,18 @@ def _argmax_chunks_kernel(x_ptr, keys_ptr, N, CHUNK, CHUNKS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows, width,
-                          BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _decode_inputs_kernel(
+    pos_ptr,
+    live_ptr,
+    tables_ptr,
+    slot_ptr,
+    ctx_ptr,
+    rows,
+    width,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     _after_producer(PDL)
     r = tl.arange(0, BLOCK)
     m = r < rows
@@ -1262,8 +1974,18 @@ def _decode_inputs_kernel(pos_ptr, live_ptr, tables_ptr, slot_ptr, ctx_ptr, rows
 
 
 @triton.jit
-def _decode_advance_kernel(tok_ptr, ids_ptr, pos_ptr, out_ptr, step_ptr, rows, out_stride, BLOCK: tl.constexpr,
-                           CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _decode_advance_kernel(
+    tok_ptr,
+    ids_ptr,
+    pos_ptr,
+    out_ptr,
+    step_ptr,
+    rows,
+    out_stride,
+    BLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Sampled tokens become the next inputs and land in row `step` of the output; positions and step advance.
     CHUNKS > 0: tok_ptr holds argmax_keys' [rows, CHUNKS] keys, whose maximum per row is the token; they are set
     back to zeros, as greedy_keys wants them next step."""
@@ -1527,8 +2249,12 @@ class Fp8Rows(_QuantizedRows):
 def _empty_fp8_rows(rows: int, k: int, like: torch.Tensor, group: int = 0) -> Fp8Rows:
     """Fp8Rows to be written: a scale per token, or with group > 0 per token and group of columns."""
     scales = triton.cdiv(k, group) if group else 1
-    return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
-                   torch.empty(rows, scales, dtype=torch.float32, device=like.device), like.dtype, group)
+    return Fp8Rows(
+        torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=like.device),
+        torch.empty(rows, scales, dtype=torch.float32, device=like.device),
+        like.dtype,
+        group,
+    )
 
 
 @dataclass
@@ -1545,9 +2271,13 @@ class Int8Rows(_QuantizedRows):
 
 def _empty_int8_rows(rows: int, k: int, like: torch.Tensor, group: int) -> Int8Rows:
     groups = (rows, k // group)
-    return Int8Rows(torch.empty(rows, k, dtype=torch.int8, device=like.device),
-                    torch.empty(groups, dtype=torch.float32, device=like.device),
-                    torch.empty(groups, dtype=torch.float32, device=like.device), like.dtype, group)
+    return Int8Rows(
+        torch.empty(rows, k, dtype=torch.int8, device=like.device),
+        torch.empty(groups, dtype=torch.float32, device=like.device),
+        torch.empty(groups, dtype=torch.float32, device=like.device),
+        like.dtype,
+        group,
+    )
 
 
 @dataclass
@@ -1575,8 +2305,9 @@ def _parts_block(parts: int) -> int:
 
 
 def _empty_packed_x(rows: int, k: int, parts: int, dtype: torch.dtype, device) -> PackedX:
-    return PackedX(torch.empty(rows, k // 4 + k // 8 + _parts_block(parts), dtype=torch.float32, device=device),
-                   k, parts, dtype)
+    return PackedX(
+        torch.empty(rows, k // 4 + k // 8 + _parts_block(parts), dtype=torch.float32, device=device), k, parts, dtype
+    )
 
 
 class CudaKernels(ReferenceKernels):
@@ -1623,15 +2354,17 @@ class CudaKernels(ReferenceKernels):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(x2)
         if x2.shape[0]:
-            _rmsnorm_kernel[(x2.shape[0],)](x2, x2, x2, weight, out, x2.shape[1], eps, HAS_RES=False,
-                                            BLOCK_K=_pow2(x2.shape[1]), **self._pdl)
+            _rmsnorm_kernel[(x2.shape[0],)](
+                x2, x2, x2, weight, out, x2.shape[1], eps, HAS_RES=False, BLOCK_K=_pow2(x2.shape[1]), **self._pdl
+            )
         return out.view(x.shape)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         if x.shape[0]:
-            _rmsnorm_kernel[(x.shape[0],)](x, residual, res_out, weight, out, x.shape[1], eps, HAS_RES=True,
-                                           BLOCK_K=_pow2(x.shape[1]), **self._pdl)
+            _rmsnorm_kernel[(x.shape[0],)](
+                x, residual, res_out, weight, out, x.shape[1], eps, HAS_RES=True, BLOCK_K=_pow2(x.shape[1]), **self._pdl
+            )
         return out, res_out
 
     def add_rmsnorm_fp8(self, x, residual, weight, eps) -> tuple[Fp8Rows, torch.Tensor]:
@@ -1646,9 +2379,21 @@ class CudaKernels(ReferenceKernels):
         rows, k = x.shape
         res_out = torch.empty_like(x) if residual is not None else x
         if rows:
-            _rmsnorm_kernel[(rows,)](x, x if residual is None else residual, res_out, weight, x, k, eps,
-                                     HAS_RES=residual is not None, BLOCK_K=_pow2(k), fp8_ptr=out.data,
-                                     scale_ptr=out.scale, **quantized, **self._pdl)
+            _rmsnorm_kernel[(rows,)](
+                x,
+                x if residual is None else residual,
+                res_out,
+                weight,
+                x,
+                k,
+                eps,
+                HAS_RES=residual is not None,
+                BLOCK_K=_pow2(k),
+                fp8_ptr=out.data,
+                scale_ptr=out.scale,
+                **quantized,
+                **self._pdl,
+            )
         return res_out
 
     def silu_and_mul_fp8(self, x, grouped: bool = False) -> Fp8Rows:
@@ -1659,9 +2404,16 @@ class CudaKernels(ReferenceKernels):
         block = silu_fp8_group(n) if grouped else _pow2(n)
         out = _empty_fp8_rows(rows, n, x, block if grouped else 0)
         if rows:
-            _silu_mul_kernel[(rows, out.scale.shape[1])](x.contiguous(), out.data, n, BLOCK=block, scale_ptr=out.scale,
-                                             FMAX=FP8_MAX["fp8-e4m3"], num_warps=16 if block >= 4096 else 4,
-                                             **self._pdl)
+            _silu_mul_kernel[(rows, out.scale.shape[1])](
+                x.contiguous(),
+                out.data,
+                n,
+                BLOCK=block,
+                scale_ptr=out.scale,
+                FMAX=FP8_MAX["fp8-e4m3"],
+                num_warps=16 if block >= 4096 else 4,
+                **self._pdl,
+            )
         return out
 
     def add_rmsnorm_int8(self, x, residual, weight, eps, group: int) -> tuple[Int8Rows, torch.Tensor]:
@@ -1676,9 +2428,16 @@ class CudaKernels(ReferenceKernels):
         out = _empty_int8_rows(rows, n, x, group)
         if rows:
             block = max(group, min(1024, _pow2(n)))
-            _silu_mul_kernel[(rows, triton.cdiv(n, block))](x.contiguous(), out.data, n, BLOCK=block,
-                                                            scale_ptr=out.scale, sum_ptr=out.sums,
-                                                            INT8_GROUP=group, **self._pdl)
+            _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+                x.contiguous(),
+                out.data,
+                n,
+                BLOCK=block,
+                scale_ptr=out.scale,
+                sum_ptr=out.sums,
+                INT8_GROUP=group,
+                **self._pdl,
+            )
         return out
 
     def int8_quantize_rows(self, x, group: int) -> Int8Rows:
@@ -1687,8 +2446,9 @@ class CudaKernels(ReferenceKernels):
         out = _empty_int8_rows(rows, k, x, group)
         if rows:
             block = max(group, min(1024, _pow2(k)))
-            _int8_quant_rows_kernel[(rows, triton.cdiv(k, block))](x.contiguous(), out.data, out.scale, out.sums, k,
-                                                                   GROUP=group, BLOCK=block, **self._pdl)
+            _int8_quant_rows_kernel[(rows, triton.cdiv(k, block))](
+                x.contiguous(), out.data, out.scale, out.sums, k, GROUP=group, BLOCK=block, **self._pdl
+            )
         return out
 
     # --- attention block pieces ----------------------------------------------------------------------------
@@ -1696,23 +2456,77 @@ class CudaKernels(ReferenceKernels):
         k2, v2 = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
         if k2.shape[0]:
             width = k2.shape[1]
-            _store_kv_kernel[(k2.shape[0],)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                             WIDTH=width, BLOCK=_pow2(width), **self._pdl)
+            _store_kv_kernel[(k2.shape[0],)](
+                k2,
+                v2,
+                k_cache,
+                v_cache,
+                slot_mapping,
+                k2.stride(0),
+                v2.stride(0),
+                WIDTH=width,
+                BLOCK=_pow2(width),
+                **self._pdl,
+            )
 
-    def qkv_rope_store(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                       num_heads, num_kv_heads, head_dim) -> torch.Tensor:
+    def qkv_rope_store(
+        self,
+        qkv,
+        q_norm,
+        k_norm,
+        eps,
+        positions,
+        cos_sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+    ) -> torch.Tensor:
         """Merged qkv rows [T, (H + 2 KV) D] -> rotated q [T, H, D]; rotated k and v go straight into the cache."""
         q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         if qkv.shape[0]:
             has_norm = q_norm is not None
             _qkv_rope_store_kernel[(qkv.shape[0],)](
-                qkv, q, q_norm if has_norm else qkv, k_norm if has_norm else qkv, cos_sin, positions, slot_mapping,
-                k_cache, v_cache, qkv.stride(0), eps, H=num_heads, KVH=num_kv_heads, D=head_dim,
-                BLOCK_H=_pow2(num_heads), BLOCK_KV=_pow2(num_kv_heads), HAS_NORM=has_norm, **self._pdl)
+                qkv,
+                q,
+                q_norm if has_norm else qkv,
+                k_norm if has_norm else qkv,
+                cos_sin,
+                positions,
+                slot_mapping,
+                k_cache,
+                v_cache,
+                qkv.stride(0),
+                eps,
+                H=num_heads,
+                KVH=num_kv_heads,
+                D=head_dim,
+                BLOCK_H=_pow2(num_heads),
+                BLOCK_KV=_pow2(num_kv_heads),
+                HAS_NORM=has_norm,
+                **self._pdl,
+            )
         return q
 
-    def rope_attention(self, qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
-                       scale, num_heads, num_kv_heads, head_dim, feeds: Weight | None = None):
+    def rope_attention(
+        self,
+        qkv,
+        q_norm,
+        k_norm,
+        eps,
+        positions,
+        cos_sin,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        feeds: Weight | None = None,
+    ):
         """qkv_rope_store then attention: [T, H, D], or with feeds (the o projection's weight) [T, H * D] as that
         projection takes it: Fp8Rows with a scale per token and kv group or head (heads_per_scale) where the skinny
         fp8 GEMM follows a decode step of more than HEAD_SCALES_ABOVE_ROWS rows over an fp8-e5m2 cache. Split
@@ -1728,16 +2542,37 @@ class CudaKernels(ReferenceKernels):
             heads_a_scale = heads_per_scale(num_heads // num_kv_heads)
             out = _empty_fp8_rows(rows, num_heads * head_dim, qkv, heads_a_scale * head_dim)
             if rows:
-                self._decode_e5m2(qkv, k_cache, v_cache, meta, scale, out.data.view(rows, num_heads, head_dim),
-                                  rope=rope, out_scale=out.scale, scale_heads=heads_a_scale)
+                self._decode_e5m2(
+                    qkv,
+                    k_cache,
+                    v_cache,
+                    meta,
+                    scale,
+                    out.data.view(rows, num_heads, head_dim),
+                    rope=rope,
+                    out_scale=out.scale,
+                    scale_heads=heads_a_scale,
+                )
             return out
         if split or e5m2:
             out = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
             if rows:
                 (self._split_decode if split else self._decode_e5m2)(qkv, k_cache, v_cache, meta, scale, out, rope=rope)
         else:
-            q = self.qkv_rope_store(qkv, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
-                                    meta.slot_mapping, num_heads, num_kv_heads, head_dim)
+            q = self.qkv_rope_store(
+                qkv,
+                q_norm,
+                k_norm,
+                eps,
+                positions,
+                cos_sin,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            )
             out = self.attention(q, k_cache, v_cache, meta, scale)
         return out if feeds is None else out.flatten(1)
 
@@ -1761,21 +2596,44 @@ class CudaKernels(ReferenceKernels):
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
         block_n, warps, stages = paged_config(dim, k_cache.dtype == torch.float8_e5m2, meta.max_query_len == 1)
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.context_lens, scale,
-            meta.block_tables.shape[1], n_seqs // max(meta.block_tables.shape[0], 1), H=heads, KVH=kv_heads, D=dim,
-            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **self._pdl)
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.block_tables,
+            meta.query_start,
+            meta.context_lens,
+            scale,
+            meta.block_tables.shape[1],
+            n_seqs // max(meta.block_tables.shape[0], 1),
+            H=heads,
+            KVH=kv_heads,
+            D=dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+            num_stages=stages,
+            **self._pdl,
+        )
         return out
 
     @staticmethod
     def _reads_e5m2_pairs(q, k_cache, meta: AttentionMetadata, dim: int) -> bool:
         """Decode steps over an fp8-e5m2 cache with 16-bit activations take _decode_e5m2_kernel (head_dim a power
         of two, >= 32); fp32 ones keep fp32 dots in the paged kernel."""
-        return (meta.max_query_len == 1 and k_cache.dtype == torch.float8_e5m2 and dim >= 32 and _pow2(dim) == dim
-                and q.dtype in (torch.bfloat16, torch.float16))
+        return (
+            meta.max_query_len == 1
+            and k_cache.dtype == torch.float8_e5m2
+            and dim >= 32
+            and _pow2(dim) == dim
+            and q.dtype in (torch.bfloat16, torch.float16)
+        )
 
-    def _decode_e5m2(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None, out_scale=None,
-                     scale_heads=1):
+    def _decode_e5m2(
+        self, q, k_cache, v_cache, meta: AttentionMetadata, scale, out, rope=None, out_scale=None, scale_heads=1
+    ):
         """q: [rows, H, D] queries, or with rope=(q_norm, k_norm, cos_sin, positions, eps) the merged qkv rows.
         out_scale [rows, H / scale_heads]: out is fp8-e4m3, a scale per row and scale_heads heads (1 or H / KVH)."""
         n_seqs, heads, dim = out.shape
@@ -1783,14 +2641,40 @@ class CudaKernels(ReferenceKernels):
         block_n, warps, stages = e5m2_decode_config(dim)
         q_norm, k_norm, cos_sin, positions, eps = rope or (None, None, q, meta.context_lens, 0.0)
         _decode_e5m2_kernel[(n_seqs, kv_heads)](
-            q, k_cache, v_cache, k_cache.view(torch.int16), v_cache.view(torch.int16), out, meta.block_tables,
-            meta.query_start, meta.context_lens, scale, meta.block_tables.shape[1],
-            n_seqs // max(meta.block_tables.shape[0], 1), q.stride(0), q_norm if q_norm is not None else q,
-            k_norm if k_norm is not None else q, cos_sin, positions, meta.slot_mapping, eps,
-            out_scale if out_scale is not None else out, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=block_size,
-            BLOCK_M=max(16, _pow2(heads // kv_heads)), BLOCK_N=block_n, ROPE=rope is not None,
-            HAS_NORM=q_norm is not None, FMAX=0.0 if out_scale is None else FP8_MAX["fp8-e4m3"], num_warps=warps,
-            num_stages=stages, SCALE_HEADS=scale_heads, **self._pdl)
+            q,
+            k_cache,
+            v_cache,
+            k_cache.view(torch.int16),
+            v_cache.view(torch.int16),
+            out,
+            meta.block_tables,
+            meta.query_start,
+            meta.context_lens,
+            scale,
+            meta.block_tables.shape[1],
+            n_seqs // max(meta.block_tables.shape[0], 1),
+            q.stride(0),
+            q_norm if q_norm is not None else q,
+            k_norm if k_norm is not None else q,
+            cos_sin,
+            positions,
+            meta.slot_mapping,
+            eps,
+            out_scale if out_scale is not None else out,
+            H=heads,
+            KVH=kv_heads,
+            D=dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, _pow2(heads // kv_heads)),
+            BLOCK_N=block_n,
+            ROPE=rope is not None,
+            HAS_NORM=q_norm is not None,
+            FMAX=0.0 if out_scale is None else FP8_MAX["fp8-e4m3"],
+            num_warps=warps,
+            num_stages=stages,
+            SCALE_HEADS=scale_heads,
+            **self._pdl,
+        )
         return out
 
     def _split_kv(self, meta: AttentionMetadata) -> bool:
@@ -1811,11 +2695,36 @@ class CudaKernels(ReferenceKernels):
         block_q = min(per_table, max(1, block_m // (heads // kv_heads)))
         programs = (n_rows // per_table) * triton.cdiv(per_table, block_q)
         _decode_split_kernel[(programs, kv_heads, splits)](
-            q, k_cache, v_cache, part, ml, meta.block_tables, meta.context_lens, scale, meta.block_tables.shape[1],
-            per_table, q.stride(0), q_norm if has_norm else q, k_norm if has_norm else q, cos_sin, positions,
-            meta.slot_mapping, eps, H=heads, KVH=kv_heads, D=dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-            BLOCK_N=SPLIT_BLOCK_N, SPLITS=splits, BLOCK_Q=block_q, NEW_ROWS=_pow2(per_table),
-            ROPE=rope is not None, HAS_NORM=has_norm, **self._pdl)
+            q,
+            k_cache,
+            v_cache,
+            part,
+            ml,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            meta.block_tables.shape[1],
+            per_table,
+            q.stride(0),
+            q_norm if has_norm else q,
+            k_norm if has_norm else q,
+            cos_sin,
+            positions,
+            meta.slot_mapping,
+            eps,
+            H=heads,
+            KVH=kv_heads,
+            D=dim,
+            BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_M=block_m,
+            BLOCK_N=SPLIT_BLOCK_N,
+            SPLITS=splits,
+            BLOCK_Q=block_q,
+            NEW_ROWS=_pow2(per_table),
+            ROPE=rope is not None,
+            HAS_NORM=has_norm,
+            **self._pdl,
+        )
         _decode_reduce_kernel[(n_rows * heads,)](part, ml, out, D=dim, SPLITS=splits, **self._pdl)
         return out
 
@@ -1864,9 +2773,11 @@ class CudaKernels(ReferenceKernels):
         order) where a K step of whole groups divides K or they meet Int8Rows (_meets_int8_rows), and large ones
         widened as the first operand up to 64 rows (_wide_int4)."""
         if isinstance(w, Int4Weight):
-            return ((x.shape[0] <= INT4_SKINNY_MAX_ROWS or self.row_invariant or self._wide_int4(x, w))
-                    and x.dtype in (torch.bfloat16, torch.float16)
-                    and (_meets_int8_rows(w) or int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None))
+            return (
+                (x.shape[0] <= INT4_SKINNY_MAX_ROWS or self.row_invariant or self._wide_int4(x, w))
+                and x.dtype in (torch.bfloat16, torch.float16)
+                and (_meets_int8_rows(w) or int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None)
+            )
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
         # Wide 16-bit outputs (a vocabulary projection) stream better through cuBLAS, unless only their argmax is
         # wanted (keys_only: greedy_keys); wide fp8 ones do not through torch._scaled_mm (H200, Qwen3's head at 64
@@ -1874,9 +2785,12 @@ class CudaKernels(ReferenceKernels):
         # GEMM 54.9).
         wide_ok = isinstance(w, Fp8Weight) or keys_only
         small = x.shape[0] <= SKINNY_MAX_ROWS and (w.shape[0] <= GEMV_MAX_N or wide_ok)
-        return ((small or self.row_invariant) and x.shape[1] % 16 == 0
-                and x.dtype in (torch.bfloat16, torch.float16)
-                and (dense or isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3"))
+        return (
+            (small or self.row_invariant)
+            and x.shape[1] % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and (dense or isinstance(w, Fp8Weight) and w.per_channel and w.fmt == "fp8-e4m3")
+        )
 
     def skinny_gemm(self, x, w: Weight, config=None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
@@ -1901,23 +2815,53 @@ class CudaKernels(ReferenceKernels):
         # each row's products are summed in a one-row call's order.
         tile_rows = 16 if self.row_invariant else rows
         if config is None:
-            config = (int4_int8_config(n, k, tile_rows, group) if int8
-                      else int4_wide_config(n, k, tile_rows, group) if wide
-                      else int4_skinny_config(k, tile_rows, group) if kind == INT4
-                      else skinny_config(n, k, tile_rows, data.element_size()))
+            config = (
+                int4_int8_config(n, k, tile_rows, group)
+                if int8
+                else int4_wide_config(n, k, tile_rows, group)
+                if wide
+                else int4_skinny_config(k, tile_rows, group)
+                if kind == INT4
+                else skinny_config(n, k, tile_rows, data.element_size())
+            )
         block_n, block_k, stages, split_k = config
         if k % (split_k * block_k):
             split_k = 1
         block_m = skinny_block_m(tile_rows, kind)
         grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split_k)
-        parts, counts = (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1],
-                                                                              x.device)
+        parts, counts = (
+            (out, out) if split_k == 1 else self._split_k_buffers(split_k * rows * n, grid[0] * grid[1], x.device)
+        )
         _skinny_gemm_kernel[grid](
-            x_in, x_scale, data, scales, offsets, out, out if keys is None else keys, parts, counts, rows, n, k,
-            WKIND=kind, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4,
-            num_stages=stages, PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
-            LINE=128 // data.element_size(), KEY_CHUNKS=0 if keys is None else keys.shape[1], X_GROUP=x_group,
-            INT8_X=int8, x_sum_ptr=x.sums if int8 else x_in, W_AS_A=wide, **self._skinny_pdl(wide, rows))
+            x_in,
+            x_scale,
+            data,
+            scales,
+            offsets,
+            out,
+            out if keys is None else keys,
+            parts,
+            counts,
+            rows,
+            n,
+            k,
+            WKIND=kind,
+            GROUP=group,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=split_k,
+            num_warps=4,
+            num_stages=stages,
+            PREFETCH_LINES=self._prefetch_lines(kind, k // split_k),
+            LINE=128 // data.element_size(),
+            KEY_CHUNKS=0 if keys is None else keys.shape[1],
+            X_GROUP=x_group,
+            INT8_X=int8,
+            x_sum_ptr=x.sums if int8 else x_in,
+            W_AS_A=wide,
+            **self._skinny_pdl(wide, rows),
+        )
         return out if keys is None else keys
 
     def _skinny_pdl(self, wide: bool, rows: int) -> dict:
@@ -1938,8 +2882,12 @@ class CudaKernels(ReferenceKernels):
         since graphs captured earlier still point at them."""
         buffers = self._split_k.setdefault(device, [])
         if not buffers or buffers[-1][0].numel() < part_elems or buffers[-1][1].numel() < tiles:
-            buffers.append((torch.empty(max(part_elems, 1 << 20), dtype=torch.float32, device=device),
-                            torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)))
+            buffers.append(
+                (
+                    torch.empty(max(part_elems, 1 << 20), dtype=torch.float32, device=device),
+                    torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device),
+                )
+            )
         return buffers[-1]
 
     def int4_dequantize(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -1949,8 +2897,18 @@ class CudaKernels(ReferenceKernels):
         # of 24 configs on an H200 (13.1 us a layer against 24.5 for the one-row kernel before it).
         block_k = max(min(1024, _pow2(k)), w.group_size)
         _int4_dequant_kernel[(triton.cdiv(n, 4), triton.cdiv(k, block_k))](
-            w.packed, w.scales, w.offsets, out, n, k, GROUP=w.group_size, BLOCK_R=4, BLOCK_K=block_k, num_warps=8,
-            **self._pdl)
+            w.packed,
+            w.scales,
+            w.offsets,
+            out,
+            n,
+            k,
+            GROUP=w.group_size,
+            BLOCK_R=4,
+            BLOCK_K=block_k,
+            num_warps=8,
+            **self._pdl,
+        )
         return out
 
     def _fp8_linear(self, x, w: Fp8Weight):
@@ -1959,8 +2917,9 @@ class CudaKernels(ReferenceKernels):
             return F.linear(x, w.dequantize(x.dtype))
         xq, x_scale = self._fp8_rows(x)
         w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
-        return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
-                                out_dtype=x.dtype)
+        return torch._scaled_mm(
+            xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(), out_dtype=x.dtype
+        )
 
     def _takes_fp8_rows(self, x, w) -> bool:
         """Whether linear(x, w) starts by quantizing x per token to fp8-e4m3 (the skinny fp8 GEMM, or
@@ -1978,16 +2937,27 @@ class CudaKernels(ReferenceKernels):
     def _takes_int8_rows(self, x, w) -> bool:
         """Whether linear(x, w) takes x as Int8Rows (large int4 weights of 64+-column groups, in the skinny GEMM):
         then x's producer can write them, saving int8_quantize_rows' pass."""
-        return (isinstance(w, Int4Weight) and _meets_int8_rows(w) and not self._gemv_route(x, w)
-                and not self._wide_int4(x, w) and self._skinny_fits(x, w))
+        return (
+            isinstance(w, Int4Weight)
+            and _meets_int8_rows(w)
+            and not self._gemv_route(x, w)
+            and not self._wide_int4(x, w)
+            and self._skinny_fits(x, w)
+        )
 
     def _wide_int4(self, x, w) -> bool:
         """Whether linear(x, w) widens int4 w as the skinny GEMM's first operand (INT4_WIDE_ROWS). Not in
         row-invariant graphs, whose rows keep the route of every bucket size."""
         rows = x.shape[0]
-        if (not isinstance(w, Int4Weight) or self.row_invariant or x.dtype not in (torch.bfloat16, torch.float16)
-                or not INT4_WIDE_ROWS[0] <= rows <= INT4_WIDE_ROWS[1] or w.shape[0] < INT4_WIDE_MIN_N
-                or not _large_weight(*w.shape) or int4_wide_config(*w.shape, rows, w.group_size) is None):
+        if (
+            not isinstance(w, Int4Weight)
+            or self.row_invariant
+            or x.dtype not in (torch.bfloat16, torch.float16)
+            or not INT4_WIDE_ROWS[0] <= rows <= INT4_WIDE_ROWS[1]
+            or w.shape[0] < INT4_WIDE_MIN_N
+            or not _large_weight(*w.shape)
+            or int4_wide_config(*w.shape, rows, w.group_size) is None
+        ):
             return False
         n, k = w.shape
         return rows > INT4_SKINNY_MAX_ROWS or not (n >= 4 * k and _meets_int8_rows(w))
@@ -2003,16 +2973,17 @@ class CudaKernels(ReferenceKernels):
     def fp8_quantize_rows(self, x, fmt: str = "fp8-e4m3"):
         """Per-token fp8 activations and their float32 scales [rows, 1] (one Triton pass)."""
         rows, k = x.shape
-        q = torch.empty(rows, k, dtype=torch.float8_e4m3fn if fmt == "fp8-e4m3" else torch.float8_e5m2,
-                        device=x.device)
+        q = torch.empty(rows, k, dtype=torch.float8_e4m3fn if fmt == "fp8-e4m3" else torch.float8_e5m2, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         if rows:
-            _fp8_quant_rows_kernel[(rows,)](x.contiguous(), q, scale, k, FMAX=FP8_MAX[fmt], BLOCK_K=_pow2(k),
-                                            **self._pdl)
+            _fp8_quant_rows_kernel[(rows,)](
+                x.contiguous(), q, scale, k, FMAX=FP8_MAX[fmt], BLOCK_K=_pow2(k), **self._pdl
+            )
         return q, scale
 
-    def norm_linear(self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None,
-                    live=None):
+    def norm_linear(
+        self, x, residual, norm_w, eps, w: Weight, silu: bool = False, feeds: Weight | None = None, live=None
+    ):
         """rmsnorm(x + residual) -> linear (-> silu-and-mul when w is merged gate/up): (out, new residual).
 
         residual None means x is the residual stream itself (the first layer). Batches of up to gemv_max_rows
@@ -2024,8 +2995,9 @@ class CudaKernels(ReferenceKernels):
             pack = (None, None) if silu and self._packs(x, w, feeds, silu=True) else None
             if isinstance(x, PackedX):  # its producer added the residual and applied norm_w
                 return self.gemv(x, w, eps=eps, silu=silu, live=live, pack=pack), residual
-            return self.gemv(x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True,
-                             live=live, pack=pack)
+            return self.gemv(
+                x, w, residual=residual, norm_w=norm_w, eps=eps, silu=silu, with_residual=True, live=live, pack=pack
+            )
         normed, residual = self._norm_for(x, residual, norm_w, eps, w)
         out = self.linear(normed, w)
         if silu:
@@ -2057,8 +3029,13 @@ class CudaKernels(ReferenceKernels):
         block_n = gemv_config(w.shape[0], x.shape[1], self._weight_kind(w)[0])[0]
         nxt = torch.empty(x.shape[0], n_out, dtype=x.dtype, device="meta")
         whole = PACKED_BLOCK.value
-        return (feeds.shape[1] == n_out >= PACKED_X_MIN_K and block_n % whole == 0 and n_out % whole == 0
-                and feeds.group_size % whole == 0 and self._gemv_route(nxt, feeds))
+        return (
+            feeds.shape[1] == n_out >= PACKED_X_MIN_K
+            and block_n % whole == 0
+            and n_out % whole == 0
+            and feeds.group_size % whole == 0
+            and self._gemv_route(nxt, feeds)
+        )
 
     def _norm_for(self, x, residual, norm_w, eps, w: Weight) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         """rmsnorm(x + residual) as the projection by w takes it (Fp8Rows or Int8Rows where it can), and the new
@@ -2100,8 +3077,19 @@ class CudaKernels(ReferenceKernels):
             return w.per_channel
         return w.dtype == x.dtype
 
-    def gemv(self, x, w, residual=None, norm_w=None, eps=0.0, silu=False, with_residual=False, config=None,
-             live=None, pack=None):
+    def gemv(
+        self,
+        x,
+        w,
+        residual=None,
+        norm_w=None,
+        eps=0.0,
+        silu=False,
+        with_residual=False,
+        config=None,
+        live=None,
+        pack=None,
+    ):
         """Few-row x @ w.T as one Triton pass over w, optionally with the add+rmsnorm prologue / silu epilogue.
         live: [rows] ints, 0 where a row's result is not needed: where rows have programs of their own (small
         weights), those rows are skipped and their output and residual rows left as they are. x may be a PackedX
@@ -2116,8 +3104,11 @@ class CudaKernels(ReferenceKernels):
         x_in = x.data if packed_in else x
         q_res, q_norm = pack or (None, None)
         parts = triton.cdiv(n_out, block_n) if q_norm is not None else 0
-        out = (torch.empty(rows, n_out, dtype=x.dtype, device=x.device) if pack is None
-               else _empty_packed_x(rows, n_out, parts, x.dtype, x.device))
+        out = (
+            torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+            if pack is None
+            else _empty_packed_x(rows, n_out, parts, x.dtype, x.device)
+        )
         has_res = residual is not None
         res_out = torch.empty_like(x) if has_res else x_in
         if q_res is not None:  # the output's residual; nothing comes in with x then
@@ -2132,14 +3123,39 @@ class CudaKernels(ReferenceKernels):
         live = live if row_block == 1 and rows > 1 else None
         block_k, block_kb = gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
-            x_in, residual if residual is not None else x_in, res_out,
-            norm_w if norm_w is not None else q_norm if q_norm is not None else x_in, data, scales, offsets,
-            out.data if pack is not None else out, x_in if live is None else live, rows, k, n_out, eps,
-            x.parts if packed_in else 0, HAS_NORM=norm_w is not None or packed_in and x.parts > 0,
-            HAS_RES=has_res, SILU=silu, WKIND=kind, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_KB=block_kb,
-            ROW_BLOCK=row_block, LIVE=live is not None, PACKED=packed_in,
-            P_BLOCK=_parts_block(x.parts) if packed_in else 1, QOUT=pack is not None, QRES=q_res is not None,
-            QNORM=q_norm is not None, Q_PBLOCK=_parts_block(parts), num_warps=warps, **self._pdl)
+            x_in,
+            residual if residual is not None else x_in,
+            res_out,
+            norm_w if norm_w is not None else q_norm if q_norm is not None else x_in,
+            data,
+            scales,
+            offsets,
+            out.data if pack is not None else out,
+            x_in if live is None else live,
+            rows,
+            k,
+            n_out,
+            eps,
+            x.parts if packed_in else 0,
+            HAS_NORM=norm_w is not None or packed_in and x.parts > 0,
+            HAS_RES=has_res,
+            SILU=silu,
+            WKIND=kind,
+            GROUP=group,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            BLOCK_KB=block_kb,
+            ROW_BLOCK=row_block,
+            LIVE=live is not None,
+            PACKED=packed_in,
+            P_BLOCK=_parts_block(x.parts) if packed_in else 1,
+            QOUT=pack is not None,
+            QRES=q_res is not None,
+            QNORM=q_norm is not None,
+            Q_PBLOCK=_parts_block(parts),
+            num_warps=warps,
+            **self._pdl,
+        )
         if q_res is not None:
             return out, res_out
         return (out, res_out) if with_residual else out
@@ -2149,8 +3165,18 @@ class CudaKernels(ReferenceKernels):
         rows = positions.shape[0]
         slots = torch.empty(rows, dtype=torch.int64, device=positions.device)
         ctx = torch.empty(rows, dtype=torch.int32, device=positions.device)
-        _decode_inputs_kernel[(1,)](positions, live, tables, slots, ctx, rows, tables.stride(0),
-                                    BLOCK_SIZE=block_size, BLOCK=_pow2(rows), **self._pdl)
+        _decode_inputs_kernel[(1,)](
+            positions,
+            live,
+            tables,
+            slots,
+            ctx,
+            rows,
+            tables.stride(0),
+            BLOCK_SIZE=block_size,
+            BLOCK=_pow2(rows),
+            **self._pdl,
+        )
         return slots, ctx
 
     def argmax_keys(self, logits: torch.Tensor, chunks: int | None = None, out: torch.Tensor | None = None):
@@ -2161,8 +3187,9 @@ class CudaKernels(ReferenceKernels):
         keys = out if out is not None else torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
         chunk = triton.cdiv(n, chunks)
         if rows:
-            _argmax_chunks_kernel[(rows, chunks)](logits, keys, n, chunk, CHUNKS=chunks, BLOCK=_pow2(chunk),
-                                                  **self._pdl)
+            _argmax_chunks_kernel[(rows, chunks)](
+                logits, keys, n, chunk, CHUNKS=chunks, BLOCK=_pow2(chunk), **self._pdl
+            )
         return keys
 
     def greedy_keys(self, x, residual, norm_w, eps, w: Weight, keys: torch.Tensor) -> torch.Tensor:
@@ -2179,5 +3206,15 @@ class CudaKernels(ReferenceKernels):
     def decode_advance(self, tokens, ids, positions, out_tokens, step_index):
         """tokens: [rows] sampled tokens, or argmax_keys' [rows, chunks] keys of a greedy step."""
         rows = tokens.shape[0]
-        _decode_advance_kernel[(1,)](tokens, ids, positions, out_tokens, step_index, rows, out_tokens.stride(0),
-                                     BLOCK=_pow2(rows), CHUNKS=_key_chunks(tokens), **self._pdl)
+        _decode_advance_kernel[(1,)](
+            tokens,
+            ids,
+            positions,
+            out_tokens,
+            step_index,
+            rows,
+            out_tokens.stride(0),
+            BLOCK=_pow2(rows),
+            CHUNKS=_key_chunks(tokens),
+            **self._pdl,
+        )

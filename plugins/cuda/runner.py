@@ -39,8 +39,8 @@ from flashnext.core.profile import Profile
 from flashnext.core.spec.decoder import accepted_length
 from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 
-from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
 from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
+from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
 from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
@@ -295,8 +295,13 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             seq, column = item.seq, ahead.tokens[j]
             step = seq.num_computed - ahead.start_positions[j]  # the step that sampled the token after the last
-            if (seq is not ahead.seqs[j] or item.num_tokens != 1 or item.num_logits != 1
-                    or not 0 <= step <= len(column) or (step and seq.token_ids[seq.num_computed] != column[step - 1])):
+            if (
+                seq is not ahead.seqs[j]
+                or item.num_tokens != 1
+                or item.num_logits != 1
+                or not 0 <= step <= len(column)
+                or (step and seq.token_ids[seq.num_computed] != column[step - 1])
+            ):
                 return None
             steps.append(step)
         spent = [step == len(column) for step, column in zip(steps, ahead.tokens)]
@@ -440,8 +445,10 @@ class CudaGraphRunner(ModelRunner):
             tokens = greedy_keys_of(self.model, k, hidden, residual, self.greedy_keys[:rows])
         else:
             seeds = (request_seed * 1_000_003 + positions + 1) & _SEED_MASK
-            tokens = k.sample(logits_of(self.model, k, hidden, residual),
-                              SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
+            tokens = k.sample(
+                logits_of(self.model, k, hidden, residual),
+                SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False),
+            )
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
@@ -487,8 +494,10 @@ class CudaGraphRunner(ModelRunner):
         self._round = None
         if not counted or ahead is None or round_ is None or self.graph_captures != round_[2]:  # nor compile time
             return
-        taken = sum(min(max(seq.num_computed - start, 0), len(column))
-                    for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens))
+        taken = sum(
+            min(max(seq.num_computed - start, 0), len(column))
+            for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens)
+        )
         if taken:
             rates, kind = self.rates_of(len(ahead.seqs)), round_[0]
             rate, old = taken / (time.perf_counter() - round_[1]), rates[kind]
@@ -504,8 +513,11 @@ class CudaGraphRunner(ModelRunner):
     def _spec_estimate(self, ahead: "_Lookahead") -> float:
         """Tokens a second spec would have given a decode round's tokens: the tokens each verify step would have
         gained on them (copy_yield, the sequences' mean) at the rate verify steps last ran."""
-        yields = [copy_yield(seq.token_ids[: seq.num_computed + 1], start + 1, self.verify_len - 1)
-                  for seq, start in zip(ahead.seqs, ahead.start_positions) if seq.num_computed > start]
+        yields = [
+            copy_yield(seq.token_ids[: seq.num_computed + 1], start + 1, self.verify_len - 1)
+            for seq, start in zip(ahead.seqs, ahead.start_positions)
+            if seq.num_computed > start
+        ]
         return self.verify_step_rates.get(len(ahead.seqs), 0.0) * float(np.mean(yields)) if yields else 0.0
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -533,8 +545,9 @@ class CudaGraphRunner(ModelRunner):
             graph.replay()
         self.graph_replays += steps
 
-    def _read_spec(self, batch: list[ScheduledSeq], key: tuple[int, bool, str], steps: int,
-                   starts: list[int]) -> torch.Tensor | None:
+    def _read_spec(
+        self, batch: list[ScheduledSeq], key: tuple[int, bool, str], steps: int, starts: list[int]
+    ) -> torch.Tensor | None:
         """The replayed spec chunk's tokens (history from `starts` on) become the look-ahead; the next spec chunk is
         queued behind their copy when the chooser wants one (it continues from the device's history)."""
         bucket = key[0]
@@ -625,8 +638,12 @@ class CudaGraphRunner(ModelRunner):
         ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
         ntok, cap, max_pos, request_seed = (self.dev_spec[i, :rows] for i in range(len(_SPEC_FIELDS)))
         hist, n_draft, context = self.dev_hist[:rows], self.dev_n_draft[:rows], self.dev_context[:t]
-        self.device_drafter.draft((hist, ntok, cap, max_pos, request_seed, n_draft),
-                                  (ids, positions, slots, context, seeds), self.dev_tables[:rows], self.block_size)
+        self.device_drafter.draft(
+            (hist, ntok, cap, max_pos, request_seed, n_draft),
+            (ids, positions, slots, context, seeds),
+            self.dev_tables[:rows],
+            self.block_size,
+        )
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start=self.verify_query_start[: t + 1],
@@ -641,5 +658,6 @@ class CudaGraphRunner(ModelRunner):
             sampled = k.argmax_keys(logits)
         else:
             sampled = k.sample(logits, SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False))
-        self.device_drafter.accept(sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows],
-                                   self.dev_stops[:rows])
+        self.device_drafter.accept(
+            sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], self.dev_stops[:rows]
+        )

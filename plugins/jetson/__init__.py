@@ -88,27 +88,46 @@ class JetsonBackend(CudaBackend):
         board = self.board
         facts = board.facts() | self._power_facts() | self._memory_facts()
         if not board.is_tegra:
-            return Probe(False, 0.0, f"not a Jetson board: {board.root / 'proc/device-tree/compatible'} names no "
-                                     "nvidia,tegra SoC (FLASHNEXT_JETSON_ROOT picks another root)", facts)
+            return Probe(
+                False,
+                0.0,
+                f"not a Jetson board: {board.root / 'proc/device-tree/compatible'} names no "
+                "nvidia,tegra SoC (FLASHNEXT_JETSON_ROOT picks another root)",
+                facts,
+            )
         if board.family is None:
             return Probe(False, 0.0, f"{board.name}: SoC {board.soc} is not Orin (tegra234) or Thor (tegra264)", facts)
         if not torch.cuda.is_available():
-            return Probe(False, 0.0, f"torch {torch.__version__} sees no CUDA device (CUDA build: "
-                                     f"{torch.version.cuda or 'none'}): install NVIDIA's torch wheel for JetPack "
-                                     f"{board.jetpack or '?'} (pypi.jetson-ai-lab.io)", facts)
+            return Probe(
+                False,
+                0.0,
+                f"torch {torch.__version__} sees no CUDA device (CUDA build: "
+                f"{torch.version.cuda or 'none'}): install NVIDIA's torch wheel for JetPack "
+                f"{board.jetpack or '?'} (pypi.jetson-ai-lab.io)",
+                facts,
+            )
         props = torch.cuda.get_device_properties(0)
         major, minor = self.capability()
-        facts |= {"device": props.name, "integrated": bool(props.is_integrated),
-                  "compute_capability": f"{major}.{minor}",
-                  "fp8": self._fp8_capable() or f"no: compute capability {major}.{minor} has no FP8 tensor cores"}
+        facts |= {
+            "device": props.name,
+            "integrated": bool(props.is_integrated),
+            "compute_capability": f"{major}.{minor}",
+            "fp8": self._fp8_capable() or f"no: compute capability {major}.{minor} has no FP8 tensor cores",
+        }
         if not self._fp8_capable():  # what `flashnext backends` lists for this board
             self.precisions = tuple(p for p in CudaBackend.precisions if p not in FP8_MAX)
-        where = (f"{board.name} (L4T {board.l4t or '?'}, JetPack {board.jetpack or '?'}; "
-                 f"compute capability {major}.{minor})")
+        where = (
+            f"{board.name} (L4T {board.l4t or '?'}, JetPack {board.jetpack or '?'}; compute capability {major}.{minor})"
+        )
         if not props.is_integrated:
             if not discrete_allowed():
-                return Probe(False, 0.0, f"{props.name} is a discrete GPU; set FLASHNEXT_JETSON_ALLOW_DISCRETE=1 to "
-                                         f"run it as the board at {board.root} (FLASHNEXT_JETSON_ROOT)", facts)
+                return Probe(
+                    False,
+                    0.0,
+                    f"{props.name} is a discrete GPU; set FLASHNEXT_JETSON_ALLOW_DISCRETE=1 to "
+                    f"run it as the board at {board.root} (FLASHNEXT_JETSON_ROOT)",
+                    facts,
+                )
             return Probe(True, DISCRETE_SCORE, f"{where}, stood in for by discrete {props.name}", facts)
         return Probe(True, SCORE, where, facts)
 
@@ -116,13 +135,23 @@ class JetsonBackend(CudaBackend):
         # eager: no graph pool and no capture warm-up on memory the OS shares; a small prefill chunk keeps the
         # activation peak low; n-gram drafting runs eagerly (the verify step is an ordinary chunk). The whole
         # budget is memory_fraction (weights + KV + activations), so memory_utilization hands KV all that is left.
-        eager = Profile(name="eager", cuda_graphs=False, chunked_prefill=True, prefix_caching=True, spec="ngram",
-                        max_num_seqs=16, max_num_batched_tokens=512, spec_max_batch=4, memory_utilization=1.0,
-                        memory_fraction=0.75)
+        eager = Profile(
+            name="eager",
+            cuda_graphs=False,
+            chunked_prefill=True,
+            prefix_caching=True,
+            spec="ngram",
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            spec_max_batch=4,
+            memory_utilization=1.0,
+            memory_fraction=0.75,
+        )
         # full: decode graphs as on discrete GPUs. vLLM users on Orin report 1-3 GiB more memory with them (in vLLM's
         # and jetson-containers' issue trackers), so the KV cache leaves a share of the budget to the graph pool.
-        full = eager.overridden(name="full", cuda_graphs=True, graph_batch_sizes=[1, 2, 4, 8, 16],
-                                memory_utilization=0.85)
+        full = eager.overridden(
+            name="full", cuda_graphs=True, graph_batch_sizes=[1, 2, 4, 8, 16], memory_utilization=0.85
+        )
         return {"eager": eager, "basic": eager.basic(), "full": full}
 
     def capability(self) -> tuple[int, int]:
@@ -151,8 +180,10 @@ class JetsonBackend(CudaBackend):
     def check_request(self, precision: str, profile: Profile):
         if precision in FP8_MAX and not self._fp8_capable():
             major, minor = self.capability()
-            raise UserError(f"{precision} needs FP8 tensor cores (compute capability 8.9 or later); {self.board.name}"
-                            f" is {major}.{minor}: use --precision int4 (a quarter of bf16's memory) or bf16")
+            raise UserError(
+                f"{precision} needs FP8 tensor cores (compute capability 8.9 or later); {self.board.name}"
+                f" is {major}.{minor}: use --precision int4 (a quarter of bf16's memory) or bf16"
+            )
         chosen = super().check_request(precision, profile)
         # Each engine checks its request first, before it places anything: its budget starts here.
         self.memory = UnifiedMemory(psutil.virtual_memory().available, profile.memory_fraction)
@@ -207,8 +238,12 @@ class JetsonBackend(CudaBackend):
         mode, clock, zones = self._readings()
         facts: dict = {"power_mode": f"{mode.name} (id {mode.id})" if mode else "unknown: nvpmodel -q gave nothing"}
         if clock is not None:
-            facts["gpu_clock"] = {"node": clock.node, "cur_mhz": clock.cur_mhz, "max_mhz": clock.max_mhz,
-                                  "load_ratio": clock.load_ratio}
+            facts["gpu_clock"] = {
+                "node": clock.node,
+                "cur_mhz": clock.cur_mhz,
+                "max_mhz": clock.max_mhz,
+                "load_ratio": clock.load_ratio,
+            }
         else:
             facts["gpu_clock"] = f"unknown: no {self.board.root}/sys/class/devfreq entry for the GPU"
         facts["temperature_celsius"] = {z.name: z.celsius for z in zones} or "unknown: no readable thermal zone"
@@ -218,10 +253,15 @@ class JetsonBackend(CudaBackend):
     def _memory_facts(self) -> dict:
         fraction = self.profiles()[self.default_profile].overridden(**env_overrides()).memory_fraction
         memory = psutil.virtual_memory()
-        return {"profiles": PROFILE_NOTES, "memory_total_gib": round(memory.total / GIB, 2),
-                "memory_available_gib": round(memory.available / GIB, 2), "memory_fraction": fraction,
-                "memory_budget_gib": round(UnifiedMemory(memory.available, fraction).budget / GIB, 2),
-                "memory_budget": "weights + KV cache + activations, from available system memory (unified)"}
+        return {
+            "profiles": PROFILE_NOTES,
+            "memory_total_gib": round(memory.total / GIB, 2),
+            "memory_available_gib": round(memory.available / GIB, 2),
+            "memory_fraction": fraction,
+            "memory_budget_gib": round(UnifiedMemory(memory.available, fraction).budget / GIB, 2),
+            "memory_budget": "weights + KV cache + activations, from available system memory (unified)",
+        }
+
 
 @hookimpl
 def register_backends(register):

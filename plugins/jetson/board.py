@@ -9,8 +9,16 @@ from pathlib import Path
 # jetson-stats (jtop/core/jetson_variables.py) and JetPack CMake version tables list it. A release missing here
 # falls back to its major line: R35 is JetPack 5.1.x (35.1.0 alone was 5.0.2), R36 is 6.x, R38 is 7.x.
 JETPACK_BY_L4T = {
-    "35.1.0": "5.0.2", "35.2.1": "5.1", "35.3.1": "5.1.1", "35.4.1": "5.1.2", "35.5.0": "5.1.3", "35.6.0": "5.1.4",
-    "36.3.0": "6.0", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
+    "35.1.0": "5.0.2",
+    "35.2.1": "5.1",
+    "35.3.1": "5.1.1",
+    "35.4.1": "5.1.2",
+    "35.5.0": "5.1.3",
+    "35.6.0": "5.1.4",
+    "36.3.0": "6.0",
+    "36.4.0": "6.1",
+    "36.4.3": "6.2",
+    "36.4.4": "6.2.1",
     "38.2.0": "7.0",
 }
 JETPACK_LINE = {"35": "5.1.x", "36": "6.x", "38": "7.x"}
@@ -74,8 +82,14 @@ class Board:
         return self.module or self.model or (f"{self.family} ({self.soc})" if self.family else "unknown board")
 
     def facts(self) -> dict:
-        out = {"board": self.name, "model": self.model, "soc": self.soc, "part_number": self.part_number,
-               "l4t": self.l4t, "jetpack": self.jetpack}
+        out = {
+            "board": self.name,
+            "model": self.model,
+            "soc": self.soc,
+            "part_number": self.part_number,
+            "l4t": self.l4t,
+            "jetpack": self.jetpack,
+        }
         if self.problems:
             out["unreadable"] = self.problems
         return {k: v for k, v in out.items() if v is not None}

@@ -115,13 +115,17 @@ def read_thermal_zones(root: Path) -> list[ThermalZone]:
 def warnings(mode: PowerMode | None, zones: list[ThermalZone]) -> list[str]:
     out = []
     if mode is not None and not mode.is_maximum:
-        out.append(f"power mode {mode.name} (id {mode.id}) is not MAXN: the GPU clock is capped; "
-                   "`sudo nvpmodel -m <MAXN's id>` (ids are in /etc/nvpmodel.conf) for full speed")
+        out.append(
+            f"power mode {mode.name} (id {mode.id}) is not MAXN: the GPU clock is capped; "
+            "`sudo nvpmodel -m <MAXN's id>` (ids are in /etc/nvpmodel.conf) for full speed"
+        )
     for zone in zones:
         trip = zone.nearest_trip
         if trip is not None and zone.celsius >= trip[1] - THERMAL_MARGIN_C:
-            out.append(f"{zone.name} is at {zone.celsius:.1f} C, within {THERMAL_MARGIN_C:.0f} C of its {trip[0]} "
-                       f"trip point ({trip[1]:.1f} C): clocks will throttle; improve cooling or lower the load")
+            out.append(
+                f"{zone.name} is at {zone.celsius:.1f} C, within {THERMAL_MARGIN_C:.0f} C of its {trip[0]} "
+                f"trip point ({trip[1]:.1f} C): clocks will throttle; improve cooling or lower the load"
+            )
     return out
 
 

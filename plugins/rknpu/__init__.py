@@ -22,8 +22,10 @@ from .runtime import CORE_MASKS, MANIFEST, StaticModel, StaticRunner, read_manif
 
 MAX_SEQS = 4  # the graphs' batch: more concurrent requests queue
 MAX_TOKENS = 64  # a request's answer on the board
-FP8_REFUSAL = ("backend 'rknpu' does not run {precision}: RK3588's NPU has no FP8 type and FP8 work falls back to "
-               "the CPU at ~17x the latency; use --precision int4 (default) or fp16")
+FP8_REFUSAL = (
+    "backend 'rknpu' does not run {precision}: RK3588's NPU has no FP8 type and FP8 work falls back to "
+    "the CPU at ~17x the latency; use --precision int4 (default) or fp16"
+)
 
 
 class NpuProfile(Profile):
@@ -73,18 +75,36 @@ class RknpuBackend(Backend):
         facts["default_profile"] = self.default_profile
         chip = facts["soc"]
         if runtime == "rknnlite":
-            return Probe(True, 3.0, f"{chip.upper()} NPU through rknn-toolkit-lite2 and {facts['librknnrt']}: "
-                                    "runs folders made by `flashnext export --target rk3588`", facts)
+            return Probe(
+                True,
+                3.0,
+                f"{chip.upper()} NPU through rknn-toolkit-lite2 and {facts['librknnrt']}: "
+                "runs folders made by `flashnext export --target rk3588`",
+                facts,
+            )
         if runtime == "onnxruntime":
-            why = (f"{chip.upper()} found but no NPU runtime (librknnrt.so in /usr/lib and rknn-toolkit-lite2)"
-                   if chip else "no RK3588 here")
-            return Probe(True, 0.5, f"{why}: exported graphs run through onnxruntime on the CPU (for checks, not "
-                                    "speed; below cpu for auto)", facts)
+            why = (
+                f"{chip.upper()} found but no NPU runtime (librknnrt.so in /usr/lib and rknn-toolkit-lite2)"
+                if chip
+                else "no RK3588 here"
+            )
+            return Probe(
+                True,
+                0.5,
+                f"{why}: exported graphs run through onnxruntime on the CPU (for checks, not "
+                "speed; below cpu for auto)",
+                facts,
+            )
         return Probe(False, 0.0, "no RK3588 NPU runtime and no onnxruntime: pip install 'flashnext[rknpu]'", facts)
 
     def profiles(self) -> dict[str, Profile]:
-        base = dict(chunked_prefill=True, prefix_caching=False, max_num_seqs=MAX_SEQS, max_num_batched_tokens=32,
-                    max_tokens_cap=MAX_TOKENS)
+        base = dict(
+            chunked_prefill=True,
+            prefix_caching=False,
+            max_num_seqs=MAX_SEQS,
+            max_num_batched_tokens=32,
+            max_tokens_cap=MAX_TOKENS,
+        )
         npu = NpuProfile(name="npu", runtime="rknnlite", **base)
         onnx = NpuProfile(name="onnxruntime", runtime="onnxruntime", **base)
         default = npu if self.runtime(board.board_facts(self.root)) == "rknnlite" else onnx
@@ -94,8 +114,10 @@ class RknpuBackend(Backend):
         if isinstance(precision, str) and precision.startswith("fp8"):
             raise UserError(FP8_REFUSAL.format(precision=precision))
         if profile.max_num_seqs > MAX_SEQS:
-            raise UserError(f"max_num_seqs {profile.max_num_seqs}: the RK3588 graphs run at most {MAX_SEQS} "
-                            f"sequences (more requests queue); set FLASHNEXT_MAX_NUM_SEQS={MAX_SEQS} or less")
+            raise UserError(
+                f"max_num_seqs {profile.max_num_seqs}: the RK3588 graphs run at most {MAX_SEQS} "
+                f"sequences (more requests queue); set FLASHNEXT_MAX_NUM_SEQS={MAX_SEQS} or less"
+            )
         return super().check_request(precision, profile)
 
     def preferred_precision(self, weights: dict) -> str:
@@ -117,25 +139,37 @@ class RknpuBackend(Backend):
 
         config = ModelConfig(**json.loads((folder / "config.json").read_text()))
         self._folder_precision = manifest["precision"]
-        return ExportedModel(config=config, weights={}, tokenizer=Tokenizer.from_hf_folder(folder),
-                             source=str(folder), name=manifest.get("model") or folder.name, folder=folder,
-                             manifest=manifest)
+        return ExportedModel(
+            config=config,
+            weights={},
+            tokenizer=Tokenizer.from_hf_folder(folder),
+            source=str(folder),
+            name=manifest.get("model") or folder.name,
+            folder=folder,
+            manifest=manifest,
+        )
 
     def build_model(self, loaded, precision, profile, quantized_head):
         runtime = getattr(profile, "runtime", "onnxruntime")
         mask = CORE_MASKS[getattr(profile, "npu_cores", "auto")]
         if isinstance(loaded, ExportedModel):
             if precision.name != loaded.manifest["precision"]:
-                raise UserError(f"{loaded.folder}: exported as {loaded.manifest['precision']}, not {precision.name};"
-                                f" export again with --precision {precision.name} or leave --precision out")
+                raise UserError(
+                    f"{loaded.folder}: exported as {loaded.manifest['precision']}, not {precision.name};"
+                    f" export again with --precision {precision.name} or leave --precision out"
+                )
             if loaded.manifest["batch"] < profile.max_num_seqs:
-                raise UserError(f"{loaded.folder}: its graphs take {loaded.manifest['batch']} sequences; set "
-                                f"FLASHNEXT_MAX_NUM_SEQS={loaded.manifest['batch']} or export with --batch "
-                                f"{profile.max_num_seqs}")
+                raise UserError(
+                    f"{loaded.folder}: its graphs take {loaded.manifest['batch']} sequences; set "
+                    f"FLASHNEXT_MAX_NUM_SEQS={loaded.manifest['batch']} or export with --batch "
+                    f"{profile.max_num_seqs}"
+                )
             return StaticModel.open(loaded.folder, runtime, mask, self.rknnlite)
         if runtime == "rknnlite":
-            raise UserError(f"{loaded.source}: the NPU runs folders exported ahead of time: `flashnext export "
-                            f"--target rk3588 --model {loaded.source} --out DIR` on a PC, then --model DIR")
+            raise UserError(
+                f"{loaded.source}: the NPU runs folders exported ahead of time: `flashnext export "
+                f"--target rk3588 --model {loaded.source} --out DIR` on a PC, then --model DIR"
+            )
         return self._export_and_open(loaded, precision.name, profile)
 
     def _export_and_open(self, loaded, precision: str, profile) -> StaticModel:
@@ -146,8 +180,15 @@ class RknpuBackend(Backend):
         limit = loaded.config.max_position_embeddings
         context = min(profile.max_model_len or limit, limit)
         with tempfile.TemporaryDirectory(prefix="flashnext-rknpu-") as folder:
-            export(loaded, Path(folder), precision=precision, batch=profile.max_num_seqs,
-                   chunk=min(32, context), context=context, check=False)
+            export(
+                loaded,
+                Path(folder),
+                precision=precision,
+                batch=profile.max_num_seqs,
+                chunk=min(32, context),
+                context=context,
+                check=False,
+            )
             return StaticModel.open(Path(folder), "onnxruntime")
 
 

@@ -46,14 +46,24 @@ MAX_NMSE = 1e-6
 
 def check_precision(precision: str) -> None:
     if precision.startswith("fp8"):
-        raise UserError(f"--precision {precision}: RK3588's NPU has no FP8; it would fall back to the CPU at ~17x "
-                        f"the latency; use --precision int4 (default) or fp16")
+        raise UserError(
+            f"--precision {precision}: RK3588's NPU has no FP8; it would fall back to the CPU at ~17x "
+            f"the latency; use --precision int4 (default) or fp16"
+        )
     if precision not in EXPORT_PRECISIONS:
         raise UserError(f"--precision {precision}: an rk3588 export takes {' or '.join(EXPORT_PRECISIONS)}")
 
 
-def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: str = "int4", batch: int = MAX_BATCH,
-           chunk: int = 32, context: int = 512, check: bool = True) -> dict:
+def export(
+    loaded: LoadedModel,
+    out: Path,
+    target: str = "rk3588",
+    precision: str = "int4",
+    batch: int = MAX_BATCH,
+    chunk: int = 32,
+    context: int = 512,
+    check: bool = True,
+) -> dict:
     """Write the folder and return its manifest; raises when a graph disagrees with the core's forward pass."""
     if target not in TARGETS:
         raise UserError(f"--target {target}: exports exist for {', '.join(TARGETS)}")
@@ -66,8 +76,9 @@ def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: st
     out.mkdir(parents=True, exist_ok=True)
     (out / WEIGHTS_FILE).unlink(missing_ok=True)
     config = loaded.config.model_copy(update={"max_position_embeddings": context})
-    model = DecoderModel(config, loaded.weights, ReferenceKernels(), PRECISIONS[precision], torch.device("cpu"),
-                         torch.float32)
+    model = DecoderModel(
+        config, loaded.weights, ReferenceKernels(), PRECISIONS[precision], torch.device("cpu"), torch.float32
+    )
     expand_projections(model)
     shapes = [GraphShape(batch, 1, context), GraphShape(1, chunk, context)]
     start = time.perf_counter()
@@ -98,8 +109,10 @@ def export(loaded: LoadedModel, out: Path, target: str = "rk3588", precision: st
         manifest["checks"] = check_against_core(model, loaded, out)
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if not manifest["checks"]["passed"]:
-            raise FlashnextError(f"{out}: the exported graphs disagree with the core's forward pass "
-                                 f"({json.dumps(manifest['checks'])}); the folder is kept for inspection")
+            raise FlashnextError(
+                f"{out}: the exported graphs disagree with the core's forward pass "
+                f"({json.dumps(manifest['checks'])}); the folder is kept for inspection"
+            )
     return manifest
 
 
@@ -113,8 +126,10 @@ def expand_projections(model: DecoderModel) -> None:
 
 def weights_note(precision: str) -> str:
     if precision == "int4":
-        return ("int4 grid values (q * scale + offset, groups of the core's Int4Weight) as float32 initializers; "
-                "fp16 once converted for the NPU")
+        return (
+            "int4 grid values (q * scale + offset, groups of the core's Int4Weight) as float32 initializers; "
+            "fp16 once converted for the NPU"
+        )
     return "fp16-rounded weights as float32 initializers"
 
 
@@ -128,14 +143,26 @@ def write_graphs(module: StaticDecoder, config, shapes: list[GraphShape], out: P
         module.shape = shape
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter, chosen above
-            torch.onnx.export(module, example_inputs(config, shape), str(path), dynamo=False, opset_version=OPSET,
-                              input_names=input_names(config.num_layers),
-                              output_names=output_names(config.num_layers), do_constant_folding=True)
+            torch.onnx.export(
+                module,
+                example_inputs(config, shape),
+                str(path),
+                dynamo=False,
+                opset_version=OPSET,
+                input_names=input_names(config.num_layers),
+                output_names=output_names(config.num_layers),
+                do_constant_folding=True,
+            )
         proto = onnx.load(str(path))
         share_weights(proto, shared, out)
         onnx.save_model(proto, str(path))
-        graphs[shape.name] = {"onnx": path.name, "batch": shape.batch, "tokens": shape.tokens,
-                              "inputs": io_shapes(proto.graph.input), "outputs": io_shapes(proto.graph.output)}
+        graphs[shape.name] = {
+            "onnx": path.name,
+            "batch": shape.batch,
+            "tokens": shape.tokens,
+            "inputs": io_shapes(proto.graph.input),
+            "outputs": io_shapes(proto.graph.output),
+        }
     return graphs
 
 
@@ -173,8 +200,9 @@ def write_tokenizer(loaded: LoadedModel, out: Path) -> None:
         "chat_template": tok.chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_token_id,
-                                                            "eos_token_id": tok.eos_token_ids}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids})
+    )
 
 
 def check_prompt(loaded: LoadedModel, chunk: int) -> list[int]:

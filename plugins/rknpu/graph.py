@@ -147,5 +147,10 @@ def example_inputs(cfg: ModelConfig, shape: GraphShape) -> tuple[torch.Tensor, .
     b, t, c = shape.batch, shape.tokens, shape.context
     half = cfg.head_dim // 2
     past = torch.zeros(b, cfg.num_kv_heads, c, cfg.head_dim)
-    return (torch.zeros(b, t, cfg.hidden_size), torch.ones(b, 1, t, half), torch.zeros(b, 1, t, half),
-            torch.zeros(b, 1, t, c + t), *([past] * (2 * cfg.num_layers)))
+    return (
+        torch.zeros(b, t, cfg.hidden_size),
+        torch.ones(b, 1, t, half),
+        torch.zeros(b, 1, t, half),
+        torch.zeros(b, 1, t, c + t),
+        *([past] * (2 * cfg.num_layers)),
+    )

@@ -23,8 +23,13 @@ K_ALIGN, N_ALIGN = 32, 64  # RK3588 int4: K a multiple of 32, N of 64 (normal la
 
 
 class MatmulTensorAttr(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char * RKNN_MAX_NAME_LEN), ("n_dims", ctypes.c_uint32),
-                ("dims", ctypes.c_uint32 * RKNN_MAX_DIMS), ("size", ctypes.c_uint32), ("type", ctypes.c_int)]
+    _fields_ = [
+        ("name", ctypes.c_char * RKNN_MAX_NAME_LEN),
+        ("n_dims", ctypes.c_uint32),
+        ("dims", ctypes.c_uint32 * RKNN_MAX_DIMS),
+        ("size", ctypes.c_uint32),
+        ("type", ctypes.c_int),
+    ]
 
 
 class MatmulIoAttr(ctypes.Structure):
@@ -32,26 +37,43 @@ class MatmulIoAttr(ctypes.Structure):
 
 
 class MatmulInfo(ctypes.Structure):
-    _fields_ = [("M", ctypes.c_int32), ("K", ctypes.c_int32), ("N", ctypes.c_int32), ("type", ctypes.c_int),
-                ("B_layout", ctypes.c_int16), ("B_quant_type", ctypes.c_int16), ("AC_layout", ctypes.c_int16),
-                ("AC_quant_type", ctypes.c_int16), ("iommu_domain_id", ctypes.c_int32),
-                ("group_size", ctypes.c_int16), ("reserved", ctypes.c_int8 * 34)]
+    _fields_ = [
+        ("M", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("type", ctypes.c_int),
+        ("B_layout", ctypes.c_int16),
+        ("B_quant_type", ctypes.c_int16),
+        ("AC_layout", ctypes.c_int16),
+        ("AC_quant_type", ctypes.c_int16),
+        ("iommu_domain_id", ctypes.c_int32),
+        ("group_size", ctypes.c_int16),
+        ("reserved", ctypes.c_int8 * 34),
+    ]
 
 
 class TensorMem(ctypes.Structure):
-    _fields_ = [("virt_addr", ctypes.c_void_p), ("phys_addr", ctypes.c_uint64), ("fd", ctypes.c_int32),
-                ("offset", ctypes.c_int32), ("size", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("priv_data", ctypes.c_void_p)]
+    _fields_ = [
+        ("virt_addr", ctypes.c_void_p),
+        ("phys_addr", ctypes.c_uint64),
+        ("fd", ctypes.c_int32),
+        ("offset", ctypes.c_int32),
+        ("size", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("priv_data", ctypes.c_void_p),
+    ]
 
 
 def load_library(path: str = "librknnrt.so"):
     lib = ctypes.CDLL(path)
-    lib.rknn_matmul_create.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(MatmulInfo),
-                                       ctypes.POINTER(MatmulIoAttr)]
+    lib.rknn_matmul_create.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(MatmulInfo),
+        ctypes.POINTER(MatmulIoAttr),
+    ]
     lib.rknn_create_mem.restype = ctypes.POINTER(TensorMem)
     lib.rknn_create_mem.argtypes = [ctypes.c_uint64, ctypes.c_uint32]
-    lib.rknn_matmul_set_io_mem.argtypes = [ctypes.c_uint64, ctypes.POINTER(TensorMem),
-                                           ctypes.POINTER(MatmulTensorAttr)]
+    lib.rknn_matmul_set_io_mem.argtypes = [ctypes.c_uint64, ctypes.POINTER(TensorMem), ctypes.POINTER(MatmulTensorAttr)]
     lib.rknn_matmul_run.argtypes = lib.rknn_matmul_destroy.argtypes = [ctypes.c_uint64]
     lib.rknn_matmul_set_core_mask.argtypes = [ctypes.c_uint64, ctypes.c_int]
     lib.rknn_destroy_mem.argtypes = [ctypes.c_uint64, ctypes.POINTER(TensorMem)]
@@ -75,8 +97,10 @@ class Int4Matmul:
         self.ctx = ctypes.c_uint64(0)
         info = MatmulInfo(M=m, K=k, N=n, type=RKNN_INT4_MM_INT4_TO_INT16)
         self.io = MatmulIoAttr()
-        self._check("rknn_matmul_create", self.lib.rknn_matmul_create(ctypes.pointer(self.ctx), ctypes.pointer(info),
-                                                                      ctypes.pointer(self.io)))
+        self._check(
+            "rknn_matmul_create",
+            self.lib.rknn_matmul_create(ctypes.pointer(self.ctx), ctypes.pointer(info), ctypes.pointer(self.io)),
+        )
         if core_mask:
             self._check("rknn_matmul_set_core_mask", self.lib.rknn_matmul_set_core_mask(self.ctx.value, core_mask))
         self.mems = {}
@@ -86,13 +110,16 @@ class Int4Matmul:
             if not mem:
                 raise NpuRuntimeError(f"rknn_create_mem({attr.size}) for {name} of {self.shape} returned NULL")
             self.mems[name] = mem
-            self._check("rknn_matmul_set_io_mem", self.lib.rknn_matmul_set_io_mem(self.ctx.value, mem,
-                                                                                  ctypes.pointer(attr)))
+            self._check(
+                "rknn_matmul_set_io_mem", self.lib.rknn_matmul_set_io_mem(self.ctx.value, mem, ctypes.pointer(attr))
+            )
 
     def _check(self, call: str, code: int) -> None:
         if code < 0:
-            raise NpuRuntimeError(f"{call} failed with {code} for int4 matmul {self.shape}; check librknnrt.so "
-                                  "(>= 2.0) and the rknpu driver")
+            raise NpuRuntimeError(
+                f"{call} failed with {code} for int4 matmul {self.shape}; check librknnrt.so "
+                "(>= 2.0) and the rknpu driver"
+            )
 
     def _write(self, name: str, data: bytes) -> None:
         mem = self.mems[name].contents
@@ -140,7 +167,7 @@ def int4_linear(x: np.ndarray, weight: Int4Weight, matmuls) -> np.ndarray:
     for group in range(k // g):
         mm = matmuls(x.shape[0], g, n)
         mm.set_b(np.ascontiguousarray(q[:, group, :].T))
-        a = xq[:, group * g:(group + 1) * g]
+        a = xq[:, group * g : (group + 1) * g]
         y += mm(a).astype(np.float32) * xs * scales[:, group]
         if np.any(extra[:, group]):
             y += (a.astype(np.float32).sum(1, keepdims=True) * xs) * extra[:, group]

@@ -1,6 +1,7 @@
 """What an RK3588 board shows of itself. Every reader takes the filesystem root, so fixture trees stand in for a
 board in tests (tests/fixtures/rk3588/)."""
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def soc(strings: list[str]) -> str | None:
 
 
 def runtime_library(root: Path) -> Path | None:
-    return next((root / d / "librknnrt.so" for d in RUNTIME_LIBRARY_DIRS if (root / d / "librknnrt.so").is_file()),
-                None)
+    return next(
+        (root / d / "librknnrt.so" for d in RUNTIME_LIBRARY_DIRS if (root / d / "librknnrt.so").is_file()), None
+    )
 
 
 def _debugfs(root: Path, name: str) -> str | None:
@@ -71,10 +73,8 @@ def npu_clock(root: Path) -> dict:
     except (OSError, ValueError, IndexError):
         return facts
     for name in ("governor", "available_frequencies"):
-        try:
+        with contextlib.suppress(OSError):
             facts[f"npu_{name}"] = (base / name).read_text().strip()
-        except OSError:
-            pass
     return facts
 
 

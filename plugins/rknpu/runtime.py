@@ -55,19 +55,25 @@ class RknnLiteSession:
         self.path = path
         self.rknn = rknnlite.RKNNLite(verbose=False)
         if self.rknn.load_rknn(str(path)) != 0:
-            raise NpuRuntimeError(f"{path}: load_rknn failed; convert the graph again for rk3588 with "
-                                  "benchmarks/rknn_simulate.sh or rknn-toolkit2 of the board's runtime version")
+            raise NpuRuntimeError(
+                f"{path}: load_rknn failed; convert the graph again for rk3588 with "
+                "benchmarks/rknn_simulate.sh or rknn-toolkit2 of the board's runtime version"
+            )
         if self.rknn.init_runtime(core_mask=core_mask) != 0:
             self.rknn.release()
-            raise NpuRuntimeError(f"{path}: init_runtime(core_mask={core_mask}) failed; check that librknnrt.so "
-                                  "and the rknpu driver are installed and that the cores exist (RK3588: 0, 1, 2)")
+            raise NpuRuntimeError(
+                f"{path}: init_runtime(core_mask={core_mask}) failed; check that librknnrt.so "
+                "and the rknpu driver are installed and that the cores exist (RK3588: 0, 1, 2)"
+            )
 
     def run(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         # As the arrays are: a 4-D input would otherwise be taken for an NHWC image and transposed.
         outputs = self.rknn.inference(inputs=inputs, data_format=["nchw"] * len(inputs))
         if outputs is None:
-            raise NpuRuntimeError(f"{self.path}: inference returned no outputs (the NPU runtime logged why); "
-                                  "check the input shapes against manifest.json")
+            raise NpuRuntimeError(
+                f"{self.path}: inference returned no outputs (the NPU runtime logged why); "
+                "check the input shapes against manifest.json"
+            )
         return outputs
 
     def release(self) -> None:
@@ -77,8 +83,10 @@ class RknnLiteSession:
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
-        raise UserError(f"{folder}: no {MANIFEST}; backend 'rknpu' runs folders written by "
-                        f"`flashnext export --target rk3588 --out DIR`")
+        raise UserError(
+            f"{folder}: no {MANIFEST}; backend 'rknpu' runs folders written by "
+            f"`flashnext export --target rk3588 --out DIR`"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -109,8 +117,10 @@ class StaticModel:
         for name, graph in manifest["graphs"].items():
             if runtime == "rknnlite":
                 if "rknn" not in graph:
-                    raise UserError(f"{folder}: graph '{name}' has no .rknn file; convert it for rk3588 "
-                                    "(benchmarks/rknn_simulate.sh) or run with --profile onnxruntime")
+                    raise UserError(
+                        f"{folder}: graph '{name}' has no .rknn file; convert it for rk3588 "
+                        "(benchmarks/rknn_simulate.sh) or run with --profile onnxruntime"
+                    )
                 sessions[name] = RknnLiteSession(folder / graph["rknn"], core_mask, rknnlite)
             else:
                 sessions[name] = OnnxSession(folder / graph["onnx"])
@@ -132,9 +142,11 @@ class StaticModel:
                 mask[row, 0, :, c:] = np.where(np.eye(t, dtype=bool), 0.0, MASK_VALUE)
                 continue
             if len(toks) > t or start + len(toks) > c:
-                raise UserError(f"{len(toks)} tokens at position {start} do not fit graph '{kind}' "
-                                f"({t} tokens, context {c}); lower --max-model-len to {c}")
-            ids[row, :len(toks)] = toks
+                raise UserError(
+                    f"{len(toks)} tokens at position {start} do not fit graph '{kind}' "
+                    f"({t} tokens, context {c}); lower --max-model-len to {c}"
+                )
+            ids[row, : len(toks)] = toks
             positions[row] = np.minimum(np.arange(start, start + t), c - 1)
             mask[row, 0, :, :start] = 0.0
         table = self.cos_sin[positions]  # [B, T, D]
@@ -148,8 +160,8 @@ class StaticModel:
                 continue
             end, slot = start + len(toks), first_slot + row
             for layer in range(cfg.num_layers):
-                self.k[layer][slot, :, start:end] = outputs[1 + 2 * layer][row, :, :len(toks)]
-                self.v[layer][slot, :, start:end] = outputs[2 + 2 * layer][row, :, :len(toks)]
+                self.k[layer][slot, :, start:end] = outputs[1 + 2 * layer][row, :, : len(toks)]
+                self.v[layer][slot, :, start:end] = outputs[2 + 2 * layer][row, :, : len(toks)]
         return outputs[0]
 
     def decode(self, slot_tokens: dict[int, tuple[int, int]]) -> dict[int, np.ndarray]:
@@ -163,8 +175,8 @@ class StaticModel:
         """tokens at positions start.. for one slot, a chunk a graph call; returns logits [len(tokens), vocab]."""
         out = []
         for i in range(0, len(tokens), self.chunk):
-            part = tokens[i:i + self.chunk]
-            out.append(self.step("prefill", slot, [part], [start + i])[0, :len(part)])
+            part = tokens[i : i + self.chunk]
+            out.append(self.step("prefill", slot, [part], [start + i])[0, : len(part)])
         return np.concatenate(out)
 
     def release(self) -> None:
@@ -211,13 +223,16 @@ class StaticRunner(ModelRunner):
                 decodes[slot] = (tokens[0], start, i)
             else:
                 logits = self.model.prefill(slot, tokens, start)
-                logits_of[i] = logits[len(logits) - item.num_logits:]
+                logits_of[i] = logits[len(logits) - item.num_logits :]
         if decodes:
             out = self.model.decode({s: (tok, pos) for s, (tok, pos, _) in decodes.items()})
             for slot, (_, _, i) in decodes.items():
                 logits_of[i] = out[slot][None]
-        rows = [torch.from_numpy(np.ascontiguousarray(logits_of[i], np.float32))
-                for i, item in enumerate(batch) if item.num_logits]
+        rows = [
+            torch.from_numpy(np.ascontiguousarray(logits_of[i], np.float32))
+            for i, item in enumerate(batch)
+            if item.num_logits
+        ]
         logits = torch.cat(rows) if rows else torch.empty(0, self.model.config.vocab_size)
         return StepResult(self.kernels.sample(logits, self._sampling(batch)), logits)
 
@@ -230,8 +245,10 @@ class StaticRunner(ModelRunner):
                 top_ks.append(seq.params.top_k)
                 top_ps.append(seq.params.top_p)
                 seeds.append(noise_seed(seq.seed, end - item.num_logits + r + 1))
-        return SamplingTensors(temperature=torch.tensor(temps, dtype=torch.float32),
-                               top_k=torch.tensor(top_ks, dtype=torch.int64),
-                               top_p=torch.tensor(top_ps, dtype=torch.float32),
-                               noise_seed=torch.tensor(seeds, dtype=torch.int64),
-                               all_greedy=all(t == 0 for t in temps))
+        return SamplingTensors(
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            top_k=torch.tensor(top_ks, dtype=torch.int64),
+            top_p=torch.tensor(top_ps, dtype=torch.float32),
+            noise_seed=torch.tensor(seeds, dtype=torch.int64),
+            all_greedy=all(t == 0 for t in temps),
+        )

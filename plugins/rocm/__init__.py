@@ -44,11 +44,19 @@ class RocmBackend(CudaBackend):
     def probe(self) -> Probe:
         hip = torch.version.hip
         if hip is None:
-            return Probe(False, 0.0, f"this torch is not a ROCm build (torch {torch.__version__}); install torch "
-                                     "from a ROCm wheel index (download.pytorch.org/whl/rocm6.x)")
+            return Probe(
+                False,
+                0.0,
+                f"this torch is not a ROCm build (torch {torch.__version__}); install torch "
+                "from a ROCm wheel index (download.pytorch.org/whl/rocm6.x)",
+            )
         if not torch.cuda.is_available():
-            return Probe(False, 0.0, f"ROCm torch (HIP {hip}) sees no AMD GPU: check access to /dev/kfd and "
-                                     "/dev/dri (video and render groups) and HIP_VISIBLE_DEVICES")
+            return Probe(
+                False,
+                0.0,
+                f"ROCm torch (HIP {hip}) sees no AMD GPU: check access to /dev/kfd and "
+                "/dev/dri (video and render groups) and HIP_VISIBLE_DEVICES",
+            )
         props = torch.cuda.get_device_properties(0)
         gfx, target, product = self._target()
         fp8 = f"{target.fp8[0]} / {target.fp8[1]}" if target.fp8 else f"none: {gfx} has no FP8"
@@ -68,9 +76,11 @@ class RocmBackend(CudaBackend):
             "compute_units": props.multi_processor_count,
             "fp8": fp8.replace("torch.", ""),
             "attention": attention_facts,
-            "memory_clock": memory.as_facts() | {
+            "memory_clock": memory.as_facts()
+            | {
                 "idle_reading": memory.summary(),
-                "check": "under load before serving: a low clock warns, --strict-clocks refuses to start"},
+                "check": "under load before serving: a low clock warns, --strict-clocks refuses to start",
+            },
         }
         if target.fp8 is None:  # what `flashnext backends` lists for this machine
             self.precisions = tuple(p for p in self.precisions if p not in FP8_MAX)
@@ -86,8 +96,9 @@ class RocmBackend(CudaBackend):
         # Programmatic dependent launch is NVIDIA's: the shared kernels would enable it from torch's capability,
         # which on ROCm is the gfx number (9.4 on MI300X).
         kernels = rocm_kernels_class(shared)(pdl=False)
-        choice = self._attention or self._choose(self._default_settings(), *self._target()[:2],
-                                                 self.activation_dtype(precision))
+        choice = self._attention or self._choose(
+            self._default_settings(), *self._target()[:2], self.activation_dtype(precision)
+        )
         kernels.flash_attn_varlen_func = load_flash_attn()[0] if choice.prefill == "flash_attn" else None
         return kernels
 
@@ -100,8 +111,10 @@ class RocmBackend(CudaBackend):
     def check_request(self, precision: str, profile: Profile):
         gfx, target, product = self._target()
         if precision in FP8_MAX and target.fp8 is None:
-            raise UserError(f"{precision} needs FP8 hardware (gfx942: FNUZ, gfx950: OCP); {product} is {gfx}: "
-                            "use --precision bf16, fp16 or int4")
+            raise UserError(
+                f"{precision} needs FP8 hardware (gfx942: FNUZ, gfx950: OCP); {product} is {gfx}: "
+                "use --precision bf16, fp16 or int4"
+            )
         chosen = Backend.check_request(self, precision, profile)  # CudaBackend's FP8 test reads CUDA capabilities
         if chosen.name in FP8_MAX:
             chosen = chosen.stored_as(target.fp8[0] if chosen.name == "fp8-e4m3" else target.fp8[1])
@@ -117,7 +130,11 @@ class RocmBackend(CudaBackend):
         first = report.clocks[0] if report.clocks else None
         out = {}
         if self._attention is not None:
-            out["attention"] = {"prefill": self._attention.prefill, "decode": "triton", "reason": self._attention.reason}
+            out["attention"] = {
+                "prefill": self._attention.prefill,
+                "decode": "triton",
+                "reason": self._attention.reason,
+            }
         if first is not None and first.mhz is not None:
             out["memory_clock_mhz"] = first.mhz
         if first is not None and first.max_mhz is not None:

@@ -45,11 +45,15 @@ def choose_attention(requested: str, gfx: str, target: GfxTarget, dtype: torch.d
         why_not = load_flash_attn()[1]
     if why_not is None:
         by = "asked for" if requested == "flash_attn" else "auto"
-        return AttentionChoice("flash_attn", f"{by}: flash_attn varlen for prefill (head dim <= {FLASH_MAX_HEAD_DIM},"
-                                             " else Triton), Triton paged attention for decode")
+        return AttentionChoice(
+            "flash_attn",
+            f"{by}: flash_attn varlen for prefill (head dim <= {FLASH_MAX_HEAD_DIM},"
+            " else Triton), Triton paged attention for decode",
+        )
     if requested == "flash_attn":
-        raise UserError(f"attention 'flash_attn' cannot run here: {why_not}; use attention auto or triton "
-                        "(FLASHNEXT_ATTENTION)")
+        raise UserError(
+            f"attention 'flash_attn' cannot run here: {why_not}; use attention auto or triton (FLASHNEXT_ATTENTION)"
+        )
     return AttentionChoice("triton", f"auto: {why_not}; Triton paged attention for prefill and decode")
 
 
@@ -57,8 +61,13 @@ def flash_fits(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Steps flash_attn takes: prompt-shaped (more than one query row), 16-bit, head dim <= 256, each sequence
     with its own block table row and host lengths (a verify step sharing table rows stays on Triton)."""
     n = len(meta.context_lens_host)
-    return (meta.max_query_len > 1 and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM and n > 0
-            and meta.block_tables.shape[0] == n == meta.context_lens.shape[0])
+    return (
+        meta.max_query_len > 1
+        and q.dtype in FLASH_DTYPES
+        and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+        and n > 0
+        and meta.block_tables.shape[0] == n == meta.context_lens.shape[0]
+    )
 
 
 def context_slots(meta: AttentionMetadata, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,5 +98,14 @@ class FlashAttnPrefill:
         k = k_cache.flatten(0, 1)[slots].to(q.dtype)
         v = v_cache.flatten(0, 1)[slots].to(q.dtype)
         # causal=True masks bottom-right aligned: a chunk's queries are the last rows of their context.
-        return self.flash_attn_varlen_func(q.contiguous(), k, v, meta.query_start, cu_seqlens_k, meta.max_query_len,
-                                           meta.max_context_len, softmax_scale=scale, causal=True)
+        return self.flash_attn_varlen_func(
+            q.contiguous(),
+            k,
+            v,
+            meta.query_start,
+            cu_seqlens_k,
+            meta.max_query_len,
+            meta.max_context_len,
+            softmax_scale=scale,
+            causal=True,
+        )

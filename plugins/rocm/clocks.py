@@ -13,9 +13,11 @@ import torch
 
 from .device import amdsmi_session
 
-REMEDY = ("raise it with `sudo amd-smi set --perf-level HIGH` (or `rocm-smi --setperflevel high`), or pin clocks "
-          "with a performance-determinism mode (`amd-smi set --perf-determinism`, `rocm-smi --setperfdeterminism`)"
-          " or, where the GPU has power profiles, the COMPUTE one (`rocm-smi --showprofile`, then --setprofile)")
+REMEDY = (
+    "raise it with `sudo amd-smi set --perf-level HIGH` (or `rocm-smi --setperflevel high`), or pin clocks "
+    "with a performance-determinism mode (`amd-smi set --perf-determinism`, `rocm-smi --setperfdeterminism`)"
+    " or, where the GPU has power profiles, the COMPUTE one (`rocm-smi --showprofile`, then --setprofile)"
+)
 
 
 @dataclass
@@ -54,12 +56,16 @@ class ClockReport:
         if not self.low:
             return None
         gpus = ", ".join(f"GPU {c.gpu} at {_mhz(c.mhz)} of {_mhz(c.max_mhz)}" for c in self.low)
-        return f"HBM memory clock below its maximum under load ({gpus}; {self.source}): decode runs about a third " \
-               f"slower; {REMEDY}"
+        return (
+            f"HBM memory clock below its maximum under load ({gpus}; {self.source}): decode runs about a third "
+            f"slower; {REMEDY}"
+        )
 
     def as_facts(self) -> dict:
-        return {"source": self.source,
-                "gpus": [{"gpu": c.gpu, "mhz": c.mhz, "max_mhz": c.max_mhz, "locked": c.locked} for c in self.clocks]}
+        return {
+            "source": self.source,
+            "gpus": [{"gpu": c.gpu, "mhz": c.mhz, "max_mhz": c.max_mhz, "locked": c.locked} for c in self.clocks],
+        }
 
 
 def _mhz(value: float | None) -> str:
@@ -94,8 +100,9 @@ def _amdsmi_clock(smi, index: int, handle) -> MemoryClock:
     info = smi.amdsmi_get_clock_info(handle, smi.AmdSmiClkType.MEM)
     current = info.get("clk", info.get("cur_clk"))  # ROCm 5.7 named it cur_clk
     locked = info.get("clk_locked")
-    return MemoryClock(index, _number(current), _number(info.get("max_clk")),
-                       locked if isinstance(locked, bool) else None)
+    return MemoryClock(
+        index, _number(current), _number(info.get("max_clk")), locked if isinstance(locked, bool) else None
+    )
 
 
 def _run(command: list[str]) -> str:
@@ -130,8 +137,10 @@ def parse_rocm_smi_text(text: str) -> list[MemoryClock]:
             levels.setdefault(gpu, []).append(float(level.group(1)))
         elif not rest:
             section = None
-    return [MemoryClock(g, current.get(g), max(levels[g]) if g in levels else None)
-            for g in sorted(set(current) | set(levels))]
+    return [
+        MemoryClock(g, current.get(g), max(levels[g]) if g in levels else None)
+        for g in sorted(set(current) | set(levels))
+    ]
 
 
 def parse_rocm_smi_json(text: str) -> list[MemoryClock]:

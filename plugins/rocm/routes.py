@@ -15,8 +15,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         return F.linear(x, w.dequantize(x.dtype))
     xq, x_scale = fp8_quantize_per_token(x, w.fmt, dtype=w.data.dtype)
     w_scale = w.scale.reshape(1, -1) if w.per_channel else w.scale.reshape(1, 1).expand(1, w.shape[0])
-    return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(),
-                            out_dtype=x.dtype)
+    return torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale.float().contiguous(), out_dtype=x.dtype)
 
 
 class OwnFormatFp8:
