@@ -452,7 +452,10 @@ def test_power_and_heat_warnings_go_to_stderr_once_at_start(as_board, capsys, na
 
 
 class JetsonOnCpu(JetsonBackend):
-    """The jetson backend's kernels, runner and profiles with tensors on the CPU (Triton interpreted)."""
+    """The jetson backend's kernels, runner and profiles with tensors on the CPU (Triton interpreted). Its weights sit
+    in host memory already, as the loader left them: unified memory, so the engine does not count them again."""
+
+    capabilities = JetsonBackend.capabilities.model_copy(update={"unified_memory": True})
 
     def device(self) -> torch.device:
         return torch.device("cpu")
