@@ -116,6 +116,12 @@ def test_int4_expansion_is_warm_up_not_first_token(tiny_llama):
     assert kernels._expanded.keys() == cached.keys()  # nothing left to expand for the request
 
 
+def _bench_two_batches(model, out, *extra: str):
+    """`flashnext bench` on the tiny model at batch sizes 1 and 2, its rows written to `out`."""
+    args = ["bench", "--model", str(model), "--backend", "cpu", "--batch-sizes", "1,2", "--prompt-len", "8"]
+    return runner.invoke(app, [*args, "--gen-len", "4", "--json", str(out), *extra])
+
+
 def test_bench_writes_valid_json_after_every_configuration(tiny_llama, tmp_path, monkeypatch):
     """A bench cut short (here: the second configuration fails) still leaves the rows measured so far, and each
     finished configuration prints its line."""
@@ -131,24 +137,7 @@ def test_bench_writes_valid_json_after_every_configuration(tiny_llama, tmp_path,
 
     monkeypatch.setattr(cli_bench, "time_generation", time_generation)
     out = tmp_path / "bench.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            "--model",
-            str(tiny_llama),
-            "--backend",
-            "cpu",
-            "--batch-sizes",
-            "1,2",
-            "--prompt-len",
-            "8",
-            "--gen-len",
-            "4",
-            "--json",
-            str(out),
-        ],
-    )
+    result = _bench_two_batches(tiny_llama, out)
     assert result.exit_code == 1 and "the machine went away" in result.stderr
     rows = json.loads(out.read_text())
     assert [r["batch_size"] for r in rows] == [1]
@@ -158,26 +147,7 @@ def test_bench_writes_valid_json_after_every_configuration(tiny_llama, tmp_path,
 
 def test_bench_rows_carry_warm_up_and_threads(tiny_llama, tmp_path):
     out = tmp_path / "bench.json"
-    result = runner.invoke(
-        app,
-        [
-            "bench",
-            "--model",
-            str(tiny_llama),
-            "--backend",
-            "cpu",
-            "--batch-sizes",
-            "1,2",
-            "--prompt-len",
-            "8",
-            "--gen-len",
-            "4",
-            "--json",
-            str(out),
-            "--threads",
-            "1",
-        ],
-    )
+    result = _bench_two_batches(tiny_llama, out, "--threads", "1")
     assert result.exit_code == 0, result.stderr
     rows = json.loads(out.read_text())
     assert [r["batch_size"] for r in rows] == [1, 2] and {r["threads"] for r in rows} == {1}
