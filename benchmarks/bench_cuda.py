@@ -239,41 +239,30 @@ def kernel_timings(loaded):
         1,
         384,
     )
-    q = k.qkv_rope_store(
-        qkv,
-        layer.q_norm,
-        layer.k_norm,
-        1e-6,
-        pos,
-        model.cos_sin,
-        kc,
-        vc,
-        slot,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-    )
+
+    def rope_store():
+        return k.qkv_rope_store(
+            qkv,
+            layer.q_norm,
+            layer.k_norm,
+            1e-6,
+            pos,
+            model.cos_sin,
+            kc,
+            vc,
+            slot,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+
+    q = rope_store()
     split = CudaKernels(decode_splits=16)
     t = {
         "fused add_rmsnorm+qkv gemv": cuda_time_us(lambda: k.norm_linear(x, res, layer.input_norm, 1e-6, layer.qkv)),
         "add_rmsnorm (triton)": cuda_time_us(lambda: k.add_rmsnorm(x, res, layer.input_norm, 1e-6)),
         "qkv F.linear (cublas)": cuda_time_us(lambda: torch.nn.functional.linear(x, layer.qkv)),
-        "qk-norm+rope+kv write": cuda_time_us(
-            lambda: k.qkv_rope_store(
-                qkv,
-                layer.q_norm,
-                layer.k_norm,
-                1e-6,
-                pos,
-                model.cos_sin,
-                kc,
-                vc,
-                slot,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-            )
-        ),
+        "qk-norm+rope+kv write": cuda_time_us(rope_store),
         "attention ctx 384 (1 split)": cuda_time_us(lambda: k.attention(q, kc, vc, meta, model.scale)),
         "attention ctx 384 (16 splits)": cuda_time_us(lambda: split.attention(q, kc, vc, meta, model.scale)),
         "o F.linear": cuda_time_us(lambda: torch.nn.functional.linear(attn, layer.o)),
