@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from ..backend import Backend, declares
+from ..backend import Backend
 from ..errors import UserError
 from ..loader import LoadedModel
 from ..model import weight_bytes
@@ -28,8 +28,6 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
-        if profile.prefix_caching and not declares(backend, "prefix_caching"):
-            profile = profile.overridden(prefix_caching=False)  # declared off (or not declared) means off
         self.backend, self.config = backend, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self.profile = profile = self._within_capabilities(profile)
@@ -67,8 +65,9 @@ class LLMEngine:
         )
 
     def _within_capabilities(self, profile: Profile) -> Profile:
-        """The profile bounded by the backend's declared limits: a static-shape backend's batch, prompt chunk and
-        context, a maximum concurrency or request length. Requests past them queue or are refused, never fail."""
+        """The profile bounded by the backend's declarations: prefix caching only where declared, a static-shape
+        backend's batch, prompt chunk and context, a maximum concurrency or request length. Requests past them queue
+        or are refused, never fail."""
         caps = self.backend.capabilities
         shapes = caps.static_shapes
         limits = {
@@ -77,7 +76,7 @@ class LLMEngine:
             # One sequence's prompt piece fits the fixed chunk when the whole step's budget does.
             "max_num_batched_tokens": [shapes and shapes.prefill_chunk],
         }
-        changes = {}
+        changes = {} if caps.prefix_caching else {"prefix_caching": False}
         for name, bounds in limits.items():
             bounds = [b for b in bounds if b]
             if bounds:

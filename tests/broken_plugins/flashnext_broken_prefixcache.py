@@ -11,7 +11,14 @@ class BrokenPrefixcacheBackend(CpuBackend):
     features = CpuBackend.features | {"prefix_caching": False}
 
 
+def _ignoring_the_declaration(bound_by_capabilities):
+    def within(self, profile):
+        return bound_by_capabilities(self, profile).model_copy(update={"prefix_caching": profile.prefix_caching})
+
+    return within
+
+
 @hookimpl
 def register_backends(register):
-    engine.declares = lambda backend, feature: feature == "prefix_caching" or bool(backend.features.get(feature))
+    engine.LLMEngine._within_capabilities = _ignoring_the_declaration(engine.LLMEngine._within_capabilities)
     register(BrokenPrefixcacheBackend())
