@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import psutil
-
 from flashnext.core.backend import API_VERSION, Backend, Capabilities, Probe
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
@@ -122,9 +120,6 @@ class RknpuBackend(Backend):
 
     def preferred_precision(self, weights: dict) -> str:
         return getattr(self, "_folder_precision", None) or self.default_precision
-
-    def free_memory_bytes(self) -> int:
-        return psutil.virtual_memory().available
 
     def runner_class(self, profile):
         return StaticRunner
