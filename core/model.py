@@ -154,6 +154,14 @@ def weight_bytes(
     return total
 
 
+def prefill_token_bytes(config: ModelConfig, dense_dtype: torch.dtype, kv_itemsize: int) -> int:
+    """What one prompt token of a prefill chunk takes beside the weights, estimated: its KV cache entries and one
+    layer's activations (the residual stream, q/k/v, attention output and the MLP's gate, up and product)."""
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_itemsize
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    return kv + (3 * config.hidden_size + qkv + 3 * config.intermediate_size) * dense_dtype.itemsize
+
+
 ROPE_MAX_VALUES = 1 << 27  # 512 MiB of float32: a 1M-token context at head_dim 128
 _ROPE_CHUNK = 1 << 16
 

@@ -7,6 +7,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from .errors import UserError
 
+MIN_BATCHED_TOKENS = 16  # a prefill chunk shorter than this costs more in launches than it saves in memory
+
 SpecMethod = Literal["none", "ngram", "mtp"]
 KvCacheDtype = Literal["auto", "fp8-e5m2", "fp8-e4m3", "bf16", "fp16", "fp32"]
 
@@ -28,7 +30,7 @@ class Profile(BaseModel):
     # CUDA the verify step reproduces decode's numbers exactly only up to this batch size (row-invariant kernels).
     spec_max_batch: int = Field(default=8, ge=1, le=4096)
     max_num_seqs: int = Field(default=16, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=1024, ge=16)
+    max_num_batched_tokens: int = Field(default=1024, ge=MIN_BATCHED_TOKENS)
     max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own context length
     block_size: int = Field(default=16, ge=1, le=1024)
     kv_cache_dtype: KvCacheDtype = "auto"

@@ -314,13 +314,18 @@ def test_weights_past_an_accelerators_free_memory_are_refused_with_the_precision
     """Before anything moves: one line naming the model, its size in the asked precision, what is free, and the
     smaller precisions that would fit (or a smaller model when none does), exit code 2."""
     from flashnext.core.errors import UserError
-    from flashnext.core.model import weight_bytes
+    from flashnext.core.model import prefill_token_bytes, weight_bytes
     from flashnext.core.precision import PRECISIONS
 
     loaded = load_model(str(tiny_llama))
+    config, profile = loaded.config, CpuBackend().profiles()["basic"]
+    tokens = min(profile.max_num_batched_tokens, config.max_position_embeddings)
+    per_token = prefill_token_bytes(config, torch.bfloat16, 2)
+    assert per_token > 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # KV and activations
+    chunk = tokens * per_token + config.vocab_size * 4
 
     def need(name):
-        return weight_bytes(loaded.config, loaded.weights, PRECISIONS[name], torch.bfloat16)
+        return weight_bytes(loaded.config, loaded.weights, PRECISIONS[name], torch.bfloat16) + chunk
 
     class Accelerator(CpuBackend):
         capabilities = CpuBackend.capabilities.model_copy(update={"unified_memory": False})
@@ -335,18 +340,21 @@ def test_weights_past_an_accelerators_free_memory_are_refused_with_the_precision
         def free_memory_bytes(self):
             return self.free
 
-    backend, profile = Accelerator(), CpuBackend().profiles()["basic"]
+    backend = Accelerator()
     backend.free = need("bf16") - 1
     with pytest.raises(UserError) as err:
         LLMEngine(backend, loaded, "bf16", profile)
     message = str(err.value)
-    assert message.startswith(f"{loaded.source}: its weights need at least") and "as bf16" in message
-    assert "use --precision fp8-e4m3 (" in message and " or --precision int4 (" in message and "\n" not in message
+    assert message.startswith(f"{loaded.source}: its weights and a {tokens}-token prefill need at least")
+    assert "as bf16" in message and "\n" not in message
+    assert message.endswith(
+        f"use --precision fp8-e4m3 (0.0 GiB) or --precision int4 (0.0 GiB) or --max-num-batched-tokens {tokens - 1}"
+    )
     assert err.value.exit_code == 2
-    backend.free = need("int4")
-    with pytest.raises(UserError, match=r"GiB free; use --precision int4 \(0\.0 GiB\)$"):
+    backend.free = need("bf16") - chunk + config.vocab_size * 4 + 100 * per_token  # room for a 100-token chunk
+    with pytest.raises(UserError, match=r"GiB free; use --max-num-batched-tokens 100$"):
         LLMEngine(backend, loaded, "bf16", profile)
-    backend.free = need("int4") - 1
+    backend.free = need("int4") - chunk + 15 * per_token  # not even the smallest chunk
     with pytest.raises(UserError, match="GiB free; pick a smaller model$"):
         LLMEngine(backend, loaded, "int4", profile)
 

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from ..backend import Backend
 from ..errors import UserError
 from ..loader import LoadedModel
-from ..model import weight_bytes
+from ..model import prefill_token_bytes, weight_bytes
 from ..precision import PRECISIONS
-from ..profile import Profile
+from ..profile import MIN_BATCHED_TOKENS, Profile
 from ..spec.decoder import SpecDecoder, SpecStats
 from ..spec.mtp import MtpDrafter
 from .block_manager import BlockManager
@@ -88,28 +88,37 @@ class LLMEngine:
         return profile.model_copy(update=changes) if changes else profile
 
     def _refuse_weights_past_free_memory(self, backend: Backend, loaded: LoadedModel) -> None:
-        """Weights bound for an accelerator that cannot hold them are refused up front, with their sizes in the
-        precisions that would fit, rather than failing out of memory half way through the load. (A device that
-        computes from host memory holds them already: the engine skips this for a unified-memory backend.)"""
-        free = backend.free_memory_bytes()
+        """A model bound for an accelerator that cannot hold its weights and one full prefill chunk (the chunk's KV
+        cache and activations, and a row of float32 logits) is refused up front, naming the precisions or the chunk
+        size that would fit, rather than failing out of memory half way through the load. (A device that computes
+        from host memory holds the weights already: the engine skips this for a unified-memory backend.)"""
+        free, profile, config = backend.free_memory_bytes(), self.profile, loaded.config
+        tokens = min(profile.max_num_batched_tokens, profile.max_model_len or config.max_position_embeddings)
 
-        def need(precision) -> int:
-            return weight_bytes(loaded.config, loaded.weights, precision, backend.activation_dtype(precision))
+        def need(precision, tokens: int = tokens) -> int:
+            dense = backend.activation_dtype(precision)
+            kv = dense if profile.kv_cache_dtype == "auto" else PRECISIONS[profile.kv_cache_dtype].storage_dtype
+            per_token = prefill_token_bytes(config, dense, kv.itemsize)
+            return weight_bytes(config, loaded.weights, precision, dense) + tokens * per_token + config.vocab_size * 4
 
         needed = need(self.precision)
         if needed <= free:
             return
-        smaller = []
+        fixes = []
         for name in ("fp8-e4m3", "int4"):
             try:
-                option = backend.check_request(name, self.profile)
+                option = backend.check_request(name, profile)
             except UserError:
                 continue  # not on this device
             if option.bits < self.precision.bits and need(option) <= free:
-                smaller.append(f"--precision {name} ({need(option) / GIB:.1f} GiB)")
-        fix = f"use {' or '.join(smaller)}" if smaller else "pick a smaller model"
+                fixes.append(f"--precision {name} ({need(option) / GIB:.1f} GiB)")
+        per_token = need(self.precision, 1) - need(self.precision, 0)
+        chunk = tokens - -(-(needed - free) // per_token)
+        if chunk >= MIN_BATCHED_TOKENS:
+            fixes.append(f"--max-num-batched-tokens {chunk}")
+        fix = f"use {' or '.join(fixes)}" if fixes else "pick a smaller model"
         raise UserError(
-            f"{loaded.source}: its weights need at least {needed / GIB:.1f} GiB as "
+            f"{loaded.source}: its weights and a {tokens}-token prefill need at least {needed / GIB:.1f} GiB as "
             f"{self.precision.name} but the {backend.name} device has {free / GIB:.1f} GiB free; {fix}"
         )
 
