@@ -311,6 +311,36 @@ def test_low_hbm_with_strict_clocks_refuses(monkeypatch):
         backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
 
 
+@pytest.mark.parametrize(
+    "env, gpu",
+    [
+        ({}, 0),
+        ({"HIP_VISIBLE_DEVICES": "1"}, 1),
+        ({"CUDA_VISIBLE_DEVICES": "1"}, 1),
+        ({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"}, 0),  # HIP's own variable wins
+        ({"ROCR_VISIBLE_DEVICES": "1,3", "HIP_VISIBLE_DEVICES": "1"}, 3),  # HIP indexes ROCr's pick
+        ({"ROCR_VISIBLE_DEVICES": "2"}, 2),
+        ({"ROCR_VISIBLE_DEVICES": "GPU-4a7c3d2b1e0f9a8b"}, None),  # a UUID: every GPU is read
+    ],
+)
+def test_the_serving_gpu_follows_the_visible_devices_lists(env, gpu):
+    assert clocks.serving_gpu(env) == gpu
+
+
+def test_the_clock_check_reads_only_the_gpu_it_loads(monkeypatch, capsys):
+    """GPU 0's HBM is low; a process given GPU 1 loads and checks GPU 1 alone, and strict clocks pass."""
+    rocm_torch(monkeypatch, "mi300x")
+    use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
+    backend = RocmBackend()
+    backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+    assert "warning" not in capsys.readouterr().err
+    assert backend.device_telemetry()["memory_clock_mhz"] == 1300
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
+    with pytest.raises(UserError, match="GPU 0 at 900 MHz"):
+        RocmBackend().check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+
+
 def test_strict_clocks_refuses_when_the_clock_cannot_be_read(monkeypatch):
     rocm_torch(monkeypatch, "mi300x")
     use_amdsmi(monkeypatch, "amdsmi_mi300x_na.json")

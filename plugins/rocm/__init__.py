@@ -123,9 +123,9 @@ class RocmBackend(CudaBackend):
         return chosen
 
     def device_telemetry(self) -> dict:
-        """GPU 0's memory clock, and (in /health) the attention the engine chose and why."""
+        """The serving GPU's memory clock, and (in /health) the attention the engine chose and why."""
         if self._telemetry is None or time.monotonic() - self._telemetry[0] > TELEMETRY_TTL_S:
-            self._telemetry = time.monotonic(), clocks.read_memory_clocks()
+            self._telemetry = time.monotonic(), clocks.read_memory_clocks(clocks.serving_gpu())
         report = self._telemetry[1]
         first = report.clocks[0] if report.clocks else None
         out = {}
@@ -165,8 +165,8 @@ class RocmBackend(CudaBackend):
         if self._clocks_checked:
             return
         self._clocks_checked = True
-        with clocks.memory_traffic(self.device()):
-            report = clocks.read_memory_clocks()
+        with clocks.memory_traffic(self.device()):  # only the GPU under that load can tell a clock left low
+            report = clocks.read_memory_clocks(clocks.serving_gpu())
         problem = report.problem()
         if problem is None and profile.strict_clocks and not report.readable:
             problem = f"cannot check the HBM clock under load: {report.summary()}"

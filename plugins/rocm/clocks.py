@@ -4,6 +4,7 @@ JSON (which names the current level only)."""
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -77,7 +78,34 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def read_memory_clocks() -> ClockReport:
+def serving_gpu(environ=os.environ) -> int | None:
+    """The driver's number (amdsmi's and rocm-smi's order) of the GPU torch calls device 0, the one a check loads:
+    ROCR_VISIBLE_DEVICES picks from the driver's GPUs, then HIP_VISIBLE_DEVICES (else CUDA_VISIBLE_DEVICES) from
+    those. None when a list names GPUs by UUID, which maps to no number here: then every GPU is read."""
+    visible: list[int] | None = None  # None: all of them, in the driver's order
+    for names in (("ROCR_VISIBLE_DEVICES",), ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")):
+        value = next((environ[name] for name in names if name in environ), None)
+        if value is None:
+            continue
+        picks = [p.strip() for p in value.split(",") if p.strip()]
+        if not all(p.isdigit() for p in picks):
+            return None
+        visible = (
+            [int(p) for p in picks] if visible is None else [visible[int(p)] for p in picks if int(p) < len(visible)]
+        )
+    if visible is None:
+        return 0
+    return visible[0] if visible else None
+
+
+def read_memory_clocks(gpu: int | None = None) -> ClockReport:
+    """Every GPU's memory clock, or only that of the driver's GPU `gpu` where the tools list it."""
+    report = _read_all_memory_clocks()
+    mine = [c for c in report.clocks if c.gpu == gpu]
+    return ClockReport(mine, report.source) if mine else report
+
+
+def _read_all_memory_clocks() -> ClockReport:
     with amdsmi_session() as smi:
         if smi is None:
             failed = "amdsmi is not installed (pip install amdsmi) or cannot reach the driver"
