@@ -41,7 +41,7 @@ from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 
 from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
+from .launch import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
