@@ -75,8 +75,7 @@ def _decode_e5m2_kernel(
     """Decode attention (one query row a sequence; program (sequence, kv head)) over an fp8-e5m2 cache read as
     int16 pairs (k_pairs / v_pairs: the caches viewed so): q.k = q_even.k_even + q_odd.k_odd, and the even and
     odd output columns come from two P.V dots. The tiles then reach the tensor cores as 16-bit operands straight
-    from shared memory, where widening the bytes in the operand layout costs Triton byte loads and converts
-    (H200, batch 64, contexts 256-382: 23.8 -> 16.0 us a layer; the bf16 cache's kernel 26.8).
+    from shared memory, where widening the bytes in the operand layout costs Triton byte loads and converts.
 
     ROPE (a table row a sequence): q_ptr is the merged qkv rows, and the kernel first does what
     _qkv_rope_store_kernel would (q/k norm, rotation, this kv head's new key and value into the cache: a launch
@@ -248,7 +247,7 @@ def _new_kvs_into_tile(
     tile positions they land on then read back what was stored (the barrier makes this program's stores visible
     to all its threads). Without q/k norm the rows are unrolled, masked, so that their loads and stores overlap
     rather than chain row after row; with it a row that puts no key in is skipped instead, as its norm's
-    reduction costs more than the overlap gains (H200, Qwen3 shape, a verify step with no drafts: +45 us)."""
+    reduction costs more than the overlap gains."""
     if HAS_NORM:
         for j in range(first, last):
             pos_j = tl.load(pos_ptr + j)
@@ -403,8 +402,8 @@ def _decode_split_kernel(
         # A verify step's rows past its drafts have context 0. When the table row's own token is this program's
         # only live row (a step without drafts), it runs as a decode row (its bits are a decode row's either way),
         # without the verify rows' loads and new-key loop; so does a program with no live row (its rows' keys are
-        # the earlier programs' to write). H200, captured K = 4 verify step without drafts: SmolLM2 461 -> 409 us;
-        # with q/k norm (Qwen3) 1,346 -> 1,339 for +24 with drafts, so not there.
+        # the earlier programs' to write). Not with q/k norm, where steps with drafts lose more than those
+        # without gain.
         rows = first + tl.arange(0, NEW_ROWS)
         ctx = tl.load(ctx_ptr + rows, mask=rows < last, other=0)
         later_dead = tl.max(tl.where(rows > first, ctx, 0), axis=0) == 0

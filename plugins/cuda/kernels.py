@@ -1,4 +1,5 @@
-"""Triton kernels for the CUDA backend; each matches ReferenceKernels (tests run them under TRITON_INTERPRET=1).
+"""CudaKernels: the CUDA backend's Kernels, each op routed to a Triton kernel that matches ReferenceKernels (tests
+run them under TRITON_INTERPRET=1). The kernels live in one module a family; launch.py says which a call takes.
 
 Activations are bf16/fp16 rows; every kernel rounds where the reference rounds, so the two agree to bf16 noise.
 Besides the Kernels interface this adds the fused ops the CUDA forward (forward.py) uses: q/k-norm + rope + KV
@@ -42,15 +43,13 @@ class CudaKernels(ReferenceKernels):
         # skinny GEMM.
         self.register_gemv = register_gemv
         # 16-bit weights at decode batch sizes (up to SKINNY_MAX_ROWS rows) through the skinny GEMM rather than
-        # cuBLAS: it starts under programmatic dependent launch, and a captured bf16 step on an H200 ran 1.07-1.16x
-        # faster for it at batch 8-64 (Qwen3-0.6B shape), 1.21-1.26x (SmolLM2 shape).
+        # cuBLAS: it starts under programmatic dependent launch, which makes the steps shorter.
         self.skinny_dense = True
         # The runner raises this while it captures the graphs of a speculative run (decode and K + 1-row verify
         # steps): the GEMV computes each row exactly as a one-row call does, whatever the row count...
         self.gemv_max_rows = launch.GEMV_MAX_ROWS
         # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
-        # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
-        # five rows vs 22 for one; see skinny_gemm).
+        # computes each row as a one-row call does too, faster than the GEMV would (see skinny_gemm).
         self.row_invariant = False
         # Row counts up to which large weights and long rows take the GEMV (see _gemv_fits); graph_settings sets
         # both for row-invariant graphs.
@@ -119,8 +118,7 @@ class CudaKernels(ReferenceKernels):
 
     def silu_and_mul_fp8(self, x, grouped: bool = False) -> Fp8Rows:
         """silu_and_mul as fp8-e4m3 rows: per token (one program a row; rows of 4,096+ padded columns take 16
-        warps: H200, Qwen3's 3,072 at 64 rows 1.92 -> 1.59 us a call, 8 warps 1.70), or grouped, a scale per
-        token and 1,024 columns, the programs silu_and_mul runs."""
+        warps, the fastest), or grouped, a scale per token and 1,024 columns, the programs silu_and_mul runs."""
         rows, n = x.shape[0], x.shape[1] // 2
         block = launch.silu_fp8_group(n) if grouped else _pow2(n)
         out = _empty_fp8_rows(rows, n, x, block if grouped else 0)
@@ -504,9 +502,7 @@ class CudaKernels(ReferenceKernels):
             )
         dense = self.skinny_dense and isinstance(w, torch.Tensor) and w.dtype == x.dtype
         # Wide 16-bit outputs (a vocabulary projection) stream better through cuBLAS, unless only their argmax is
-        # wanted (keys_only: greedy_keys); wide fp8 ones do not through torch._scaled_mm (H200, Qwen3's head at 64
-        # rows, norm included: bf16 cuBLAS 86.6 us, the skinny GEMM 100.2; fp8 torch._scaled_mm 60.1, the skinny
-        # GEMM 54.9).
+        # wanted (keys_only: greedy_keys); wide fp8 ones do not through torch._scaled_mm.
         wide_ok = isinstance(w, Fp8Weight) or keys_only
         small = x.shape[0] <= launch.SKINNY_MAX_ROWS and (w.shape[0] <= launch.GEMV_MAX_N or wide_ok)
         return (
@@ -594,8 +590,8 @@ class CudaKernels(ReferenceKernels):
         return {"PDL": False, "launch_pdl": False} if wide and rows <= launch.INT4_WIDE_SERIAL_ROWS else self._pdl
 
     def _prefetch_lines(self, kind: int, k_slice: int) -> int:
-        """128-byte lines of each weight row the skinny GEMM asks L2 for before its wait: fp8 weights only (an
-        H200 call at 64 rows: 4.2-5.4 -> 3.8-4.8 us; a bf16 batch-64 step ran 3% slower with it)."""
+        """128-byte lines of each weight row the skinny GEMM asks L2 for before its wait: fp8 weights only (16-bit
+        ones ran slower with it)."""
         if not self._pdl["PDL"] or kind != launch.FP8:
             return 0
         return _pow2(k_slice // 128)
@@ -617,8 +613,7 @@ class CudaKernels(ReferenceKernels):
     def int4_dequantize(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         n, k = w.shape
         out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
-        # Four rows of up to 1,024 columns, eight warps: the smallest sum over Qwen3's four projections in a sweep
-        # of 24 configs on an H200 (13.1 us a layer against 24.5 for the one-row kernel before it).
+        # Four rows of up to 1,024 columns, eight warps: the fastest over a layer's four projections.
         block_k = max(min(1024, _pow2(k)), w.group_size)
         _int4_dequant_kernel[(triton.cdiv(n, 4), triton.cdiv(k, block_k))](
             w.packed,
@@ -842,8 +837,7 @@ class CudaKernels(ReferenceKernels):
             res_out = torch.empty(0, dtype=x.dtype, device=x.device)
         assert norm_w is None or q_norm is None
         row_block = launch.gemv_row_block(rows, w.shape[0], k)
-        # Only rows with programs of their own can be skipped: in shared programs the check cost a Qwen3 bf16
-        # batch-1 decode step 17 us and saved nothing.
+        # Only rows with programs of their own can be skipped: in shared programs the check costs and saves nothing.
         live = live if row_block == 1 and rows > 1 else None
         block_k, block_kb = launch.gemv_k_pieces(w.shape[0], k, group)
         _norm_gemv_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(rows, row_block))](
@@ -920,9 +914,7 @@ class CudaKernels(ReferenceKernels):
         """argmax_keys of norm_linear(x, residual, norm_w, eps, w)'s outputs, into keys [rows, argmax_chunks(vocab)]
         holding zeros (as decode_advance leaves them). Where that projection can be the skinny GEMM (past the
         GEMV's rows: 16-bit heads as well as fp8 ones), its programs' row maxima go straight into keys and the
-        [rows, vocab] logits are never written. H200, Qwen3's head with its norm and decode_advance, us at 8 / 16 /
-        32 / 64 rows: bf16 89.9 / 95.7 / 103.6 / 121.0 through cuBLAS and an argmax pass, 78.6 / 79.8 / 84.1 /
-        92.9 here; fp8 at 64 rows 83.8 -> 67.5."""
+        [rows, vocab] logits are never written, shorter than cuBLAS and an argmax pass."""
         if self._gemv_route(x, w) or not self._skinny_fits(x, w, keys_only=True):
             return self.argmax_keys(self.norm_linear(x, residual, norm_w, eps, w)[0], out=keys)
         return self.skinny_gemm(self._norm_for(x, residual, norm_w, eps, w)[0], w, keys=keys)
