@@ -922,7 +922,7 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypat
     """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
     and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536), whether
     the rows get programs of their own (small weights) or share each program's weight tile (large ones)."""
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: small)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: small)
     w = torch.randn(2 * 24, k) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind]
     w = w.to(DEV)
@@ -1025,7 +1025,7 @@ def test_gemv_row_pieces_follow_the_weight():
 def test_rows_padded_past_a_quarter_give_the_product_in_two_pieces(kind, monkeypatch):
     """A larger weight's 320-column rows (Qwen3-4B's 2,560 scaled down) in two pieces, 256 + 64, with the larger
     weights' GEMV programs (int4: 16 rows, 8 warps): the product, 16-bit x or its int8 blocks."""
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     dense = torch.randn(48, 320) * 0.1
     w = (dense.to(torch.bfloat16) if kind == "bf16" else int4_quantize(dense, group_size=64)).to(DEV)
     x = rand(1, 320, dtype=torch.float32 if kind == "int4" else torch.bfloat16)  # fp32 out: the blocks' bits show
@@ -1053,7 +1053,7 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
     LONG_GEMV_MAX_K columns and large_gemv_rows rows: in two pieces, a row a program, 16 rows x 4 warps; the int8
     x blocks' products and each row a one-row call's bits. More rows and longer rows go to the skinny GEMM."""
     monkeypatch.setattr(launch_module, "GEMV_MAX_K", 256)
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     w = int4_quantize(torch.randn(40, 384) * 0.1, group_size=128).to(DEV)
     x = rand(rows, 384, dtype=torch.float32)
     kernels = CudaKernels()
@@ -1078,7 +1078,7 @@ def test_long_16_bit_and_fp8_rows_take_the_gemv_for_one_row_calls(kind, gemv_row
     (graphs whose verify rows share decode's route) or rows past LONG_GEMV_MAX_K go to the skinny GEMM, and only
     there does an fp8 weight take its input as fp8 rows. Both routes give the product."""
     monkeypatch.setattr(launch_module, "GEMV_MAX_K", 256)
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     dense = torch.randn(40, 384) * 0.1
     w = (dense.to(torch.bfloat16) if kind == "bf16" else fp8_quantize(dense)).to(DEV)
     x = rand(2, 384)
@@ -1105,7 +1105,7 @@ def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(ki
     one-row call's bits); 16-bit and fp8 ones only for calls of up to large_gemv_rows rows (then the skinny GEMM),
     int4 ones of 32-column groups (which do not meet Int8Rows) for any row count the GEMV takes."""
     monkeypatch.setattr(launch_module, "LARGE_WEIGHT", 48 * 256)
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     w = torch.randn(48, 256) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind].to(DEV)
     x = rand(3, 256)
@@ -1141,7 +1141,7 @@ def test_long_rows_of_a_4b_model_give_the_product_through_either_route(kind):
 def large_int4(monkeypatch):
     """Int4 weights of 48 x 256 elements and up count as large (the layers of 1.7B+ models, scaled down)."""
     monkeypatch.setattr(launch_module, "LARGE_WEIGHT", 48 * 256)
-    monkeypatch.setattr(launch_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
 
 
 @pytest.mark.parametrize("group", [64, 128])

@@ -489,14 +489,14 @@ class CudaKernels(ReferenceKernels):
         unless skinny_dense is off; in row-invariant graphs any row count and wide outputs too (and wide outputs
         of which only greedy_keys' argmax is wanted: keys_only). Int4 weights up to
         INT4_SKINNY_MAX_ROWS rows (in row-invariant graphs any count, as a pass and a 16-bit GEMM sum in another
-        order) where a K step of whole groups divides K or they meet Int8Rows (_meets_int8_rows), and large ones
+        order) where a K step of whole groups divides K or they meet Int8Rows (meets_int8_rows), and large ones
         widened as the first operand up to 64 rows (_wide_int4)."""
         if isinstance(w, Int4Weight):
             return (
                 (x.shape[0] <= launch.INT4_SKINNY_MAX_ROWS or self.row_invariant or self._wide_int4(x, w))
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and (
-                    launch._meets_int8_rows(w)
+                    launch.meets_int8_rows(w)
                     or launch.int4_skinny_config(x.shape[1], x.shape[0], w.group_size) is not None
                 )
             )
@@ -514,14 +514,14 @@ class CudaKernels(ReferenceKernels):
 
     def skinny_gemm(self, x, w: Weight, config=None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T for up to SKINNY_MAX_ROWS rows (any number in row-invariant graphs); fp8 W meets per-token fp8 x,
-        int4 W that _meets_int8_rows Int8Rows (made here if x is not), a 16-bit or other int4 W (widened tile by
+        int4 W that meets_int8_rows Int8Rows (made here if x is not), a 16-bit or other int4 W (widened tile by
         tile) x as is. keys: see greedy_keys (then returned instead of the outputs, which are not written)."""
         rows, k = x.shape
         n = w.shape[0]
         out = torch.empty((rows, n) if keys is None else (1, 1), dtype=x.dtype, device=x.device)  # (1, 1): its dtype
         kind, data, scales, offsets, group = self._weight_kind(w)
         wide = kind == launch.INT4 and not isinstance(x, Int8Rows) and self._wide_int4(x, w)
-        if kind == launch.INT4 and launch._meets_int8_rows(w) and not isinstance(x, Int8Rows) and not wide:
+        if kind == launch.INT4 and launch.meets_int8_rows(w) and not isinstance(x, Int8Rows) and not wide:
             x = self.int8_quantize_rows(x, group)
         int8 = isinstance(x, Int8Rows)
         if kind == launch.FP8:
@@ -658,7 +658,7 @@ class CudaKernels(ReferenceKernels):
         then x's producer can write them, saving int8_quantize_rows' pass."""
         return (
             isinstance(w, Int4Weight)
-            and launch._meets_int8_rows(w)
+            and launch.meets_int8_rows(w)
             and not self._gemv_route(x, w)
             and not self._wide_int4(x, w)
             and self._skinny_fits(x, w)
@@ -674,12 +674,12 @@ class CudaKernels(ReferenceKernels):
             or x.dtype not in (torch.bfloat16, torch.float16)
             or not launch.INT4_WIDE_ROWS[0] <= rows <= launch.INT4_WIDE_ROWS[1]
             or w.shape[0] < launch.INT4_WIDE_MIN_N
-            or not launch._large_weight(*w.shape)
+            or not launch.is_large_weight(*w.shape)
             or launch.int4_wide_config(*w.shape, rows, w.group_size) is None
         ):
             return False
         n, k = w.shape
-        return rows > launch.INT4_SKINNY_MAX_ROWS or not (n >= 4 * k and launch._meets_int8_rows(w))
+        return rows > launch.INT4_SKINNY_MAX_ROWS or not (n >= 4 * k and launch.meets_int8_rows(w))
 
     @staticmethod
     def _scaled_mm_fits(w: Fp8Weight) -> bool:
@@ -784,13 +784,13 @@ class CudaKernels(ReferenceKernels):
         if rows > self.gemv_max_rows:
             return False
         if isinstance(w, Int4Weight):
-            if rows > self.large_gemv_rows and launch._meets_int8_rows(w):
+            if rows > self.large_gemv_rows and launch.meets_int8_rows(w):
                 return False
             long_ok = k <= launch.GEMV_MAX_K or (k <= launch.LONG_GEMV_MAX_K and rows <= self.large_gemv_rows)
             return long_ok and _pow2(k) % w.group_size == 0 and w.group_size % X_BLOCK.value == 0
         if k > launch.GEMV_MAX_K and (k > launch.LONG_GEMV_MAX_K or rows > self.long_gemv_rows):
             return False
-        if rows > self.large_gemv_rows and launch._large_weight(w.shape[0], k):
+        if rows > self.large_gemv_rows and launch.is_large_weight(w.shape[0], k):
             return False
         if isinstance(w, Fp8Weight):
             return w.per_channel

@@ -23,7 +23,7 @@ GEMV_MAX_K = 4096
 LONG_GEMV_MAX_K, LONG_GEMV_MAX_ROWS = 16384, 1
 # Weights of at least this many elements (the layers of 1.7B and larger models) run the GEMV a row a program, and
 # only for calls of up to CudaKernels.large_gemv_rows rows (LARGE_GEMV_MAX_ROWS outside row-invariant graphs): more
-# rows read the weight once in the skinny GEMM (int4 ones meeting Int8Rows: _meets_int8_rows).
+# rows read the weight once in the skinny GEMM (int4 ones meeting Int8Rows: meets_int8_rows).
 LARGE_WEIGHT, LARGE_GEMV_MAX_ROWS = 1 << 23, 1
 # Wider 16-bit outputs (a vocabulary projection) stay on cuBLAS, which streams them at full bandwidth already;
 # quantized ones only our kernels read.
@@ -35,7 +35,7 @@ ARGMAX_CHUNKS, ARGMAX_MIN_CHUNK = 128, 1024
 # fp8 weights at batches up to this many rows (decode) use the skinny Triton GEMM; larger ones torch._scaled_mm.
 SKINNY_MAX_ROWS = 64
 # Int4 batches up to this many rows widen their nibbles inside the skinny GEMM (int4_skinny_config), as do large
-# int4 weights meeting Int8Rows (_meets_int8_rows); larger batches dequantize in a pass first, which is then faster.
+# int4 weights meeting Int8Rows (meets_int8_rows); larger batches dequantize in a pass first, which is then faster.
 INT4_SKINNY_MAX_ROWS = 32
 # Large int4 weights (LARGE_WEIGHT) of at least INT4_WIDE_MIN_N outputs at INT4_WIDE_ROWS rows are widened as the
 # skinny GEMM's first operand instead (_wide_int4, int4_wide_config), but the widest (gate/up, outputs >= 4 x K) up
@@ -164,7 +164,7 @@ def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, i
 
 
 def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int]:
-    """INT4_INT8_TILES' row for an [n, k] weight meeting Int8Rows (_meets_int8_rows); a group divides k."""
+    """INT4_INT8_TILES' row for an [n, k] weight meeting Int8Rows (meets_int8_rows); a group divides k."""
     block_n, block_k, stages, split_k = first_match(
         INT4_INT8_TILES, n_per_k=Fraction(n, k), k=k, k_align=k & -k, rows=rows
     )
@@ -199,7 +199,7 @@ def e5m2_decode_config(dim: int) -> tuple[int, int, int]:
 
 def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     """GEMV_TILES' row for an [n_out, k] weight of this kind."""
-    return first_match(GEMV_TILES, kind=kind, long=k > GEMV_MAX_K, small=_small_weight(n_out, k))
+    return first_match(GEMV_TILES, kind=kind, long=k > GEMV_MAX_K, small=is_small_weight(n_out, k))
 
 
 def skinny_block_m(rows: int, kind: int) -> int:
@@ -234,26 +234,26 @@ def gemv_k_pieces(n_out: int, k: int, group: int) -> tuple[int, int]:
     if rest == 0 or rest % group:
         return _pow2(k), 0
     wasteful = group > 1 or 4 * k < 3 * _pow2(k)
-    if not _small_weight(n_out, k) and k <= GEMV_MAX_K and not wasteful:
+    if not is_small_weight(n_out, k) and k <= GEMV_MAX_K and not wasteful:
         return _pow2(k), 0
     return first, rest
 
 
-def _meets_int8_rows(w: Int4Weight) -> bool:
+def meets_int8_rows(w: Int4Weight) -> bool:
     """Large int4 weights whose groups are a power of two of at least 64 columns meet Int8Rows of their group in
     the skinny GEMM (each half of a group fills an int8 mma step of 32), which streams them faster than widening
     their nibbles to bf16. Others are widened (GGUF's 32-column blocks; smaller weights, which ran slower with
     Int8Rows)."""
     g = w.group_size
-    return g >= 64 and g & (g - 1) == 0 and _large_weight(*w.shape)
+    return g >= 64 and g & (g - 1) == 0 and is_large_weight(*w.shape)
 
 
-def _small_weight(n_out: int, k: int) -> bool:
+def is_small_weight(n_out: int, k: int) -> bool:
     """Under 2^21 elements (4 MiB in 16 bits): the layers of SmolLM2-135M are, those of Qwen3-0.6B are not."""
     return n_out * k < 1 << 21
 
 
-def _large_weight(n_out: int, k: int) -> bool:
+def is_large_weight(n_out: int, k: int) -> bool:
     """At least LARGE_WEIGHT elements: the layers of 1.7B and larger models."""
     return n_out * k >= LARGE_WEIGHT
 
@@ -263,7 +263,7 @@ def gemv_row_block(rows: int, n_out: int, k: int) -> int:
     long (registers). A small weight gives each row programs of its own: L2 serves the re-reads and the rows run
     in parallel (larger weights are faster shared). Rows past GEMV_MAX_K fill the registers alone, and large
     weights run faster a row a program too (LARGE_WEIGHT)."""
-    if _small_weight(n_out, k) or k > GEMV_MAX_K or _large_weight(n_out, k):
+    if is_small_weight(n_out, k) or k > GEMV_MAX_K or is_large_weight(n_out, k):
         return 1
     return max(1, min(rows, 8 if k <= 2048 else 4))
 
