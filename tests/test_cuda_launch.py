@@ -1,8 +1,8 @@
-"""The CUDA plugin's launch tables choose what the branches they replaced chose.
+"""The CUDA plugin's launch tables, pinned: every choice over a grid straddling each bound the tables test.
 
-EXPECTED was recorded from the branch-per-case functions over a grid straddling every threshold they had: per
-function the grid's axes (arguments in call order), the distinct configs, and one letter per grid point (itertools
-order) naming its config.
+EXPECTED holds, per function, the grid's axes (arguments in call order), the distinct configs, and one letter per
+grid point (itertools order) naming its config. A table edit that changes a choice fails here; change the letters
+only together with the measurement that justifies the new choice (docs/architecture.md).
 """
 
 import itertools

@@ -1,10 +1,8 @@
 """Where each call goes and with what tiles: the routing thresholds and launch tables of the CUDA kernels.
 
 A launch table is a tuple of (bounds, config) rows: the first row whose bounds all hold for a call's shape gives the
-call's config (first_match). The sweeps that chose the rows are listed in docs/architecture.md (the CUDA plugin).
+call's config (LaunchTable). The sweeps that chose the rows are listed in docs/architecture.md (the CUDA plugin).
 """
-
-from fractions import Fraction
 
 from flashnext.core.precision import Int4Weight
 
@@ -34,8 +32,8 @@ SPLIT_BLOCK_N = 32
 ARGMAX_CHUNKS, ARGMAX_MIN_CHUNK = 128, 1024
 # fp8 weights at batches up to this many rows (decode) use the skinny Triton GEMM; larger ones torch._scaled_mm.
 SKINNY_MAX_ROWS = 64
-# Int4 batches up to this many rows widen their nibbles inside the skinny GEMM (int4_skinny_config), as do large
-# int4 weights meeting Int8Rows (meets_int8_rows); larger batches dequantize in a pass first, which is then faster.
+# Int4 batches up to this many rows run in the skinny GEMM, widening their nibbles (int4_skinny_config) or meeting
+# Int8Rows (meets_int8_rows); larger batches dequantize in a pass first, which is then faster.
 INT4_SKINNY_MAX_ROWS = 32
 # Large int4 weights (LARGE_WEIGHT) of at least INT4_WIDE_MIN_N outputs at INT4_WIDE_ROWS rows are widened as the
 # skinny GEMM's first operand instead (_wide_int4, int4_wide_config), but the widest (gate/up, outputs >= 4 x K) up
@@ -57,11 +55,23 @@ DENSE, FP8, INT4 = 0, 1, 2
 INF = 1 << 62  # an open upper bound in the tables
 
 
-def first_match(table, **shape):
-    """The config of the first row of table whose bounds all hold for shape: a (lo, hi) bound is a closed range,
-    any other bound a value the field must equal. A row bounds only the fields it names; each table's last row
-    names none."""
-    return next(config for bounds, config in table if all(_holds(b, shape[f]) for f, b in bounds.items()))
+class LaunchTable:
+    """(bounds, config) rows over the shape fields named at the start; called with those fields' values it returns
+    the config of the first row whose bounds all hold. A (lo, hi) bound is a closed range, any other bound a value
+    the field must equal; a row bounds only the fields it names, and the last row none. Answers are kept: an eager
+    step looks a config up for every projection, and a kept answer costs about what a branch does."""
+
+    def __init__(self, fields: str, *rows: tuple[dict, tuple]):
+        self.fields, self.rows = fields.split(), rows
+        self._answers: dict[tuple, tuple] = {}
+
+    def __call__(self, *values) -> tuple:
+        config = self._answers.get(values)
+        if config is None:
+            shape = dict(zip(self.fields, values))
+            config = next(c for bounds, c in self.rows if all(_holds(b, shape[f]) for f, b in bounds.items()))
+            self._answers[values] = config
+        return config
 
 
 def _holds(bound, value) -> bool:
@@ -72,7 +82,8 @@ def _holds(bound, value) -> bool:
 # vocab: more outputs than GEMV_MAX_N; k_align: the largest power of two dividing K. Long rows at small batches
 # stream in four K slices; above 16 rows (programs of 64 rows of x: skinny_block_m) a K step spans 256 bytes of a
 # weight row where N >= 4,096 and 512 elsewhere, and the widest projections take 64 weight rows a program.
-SKINNY_TILES = (
+SKINNY_TILES = LaunchTable(
+    "vocab n k k_align rows elem_bytes",
     ({"vocab": True, "elem_bytes": 1, "rows": (0, 32)}, (64, 256, 3, 1)),
     ({"vocab": True}, (64, 128, 3, 1)),
     ({"k": (3072, INF), "rows": (0, 16), "k_align": (1024, INF)}, (32, 256, 3, 4)),
@@ -89,16 +100,18 @@ SKINNY_TILES = (
 # Int4 weights widened in the skinny GEMM's K loop -> (BLOCK_N, largest BLOCK_K, stages, K slices): 32 weight rows a
 # program up to 16 rows of x, 16 above; rows of 1,536+ columns (o and down, whose few outputs make few programs) 16
 # weight rows and K in two slices, four above 16 rows where K >= 2,048.
-INT4_SKINNY_TILES = (
+INT4_SKINNY_TILES = LaunchTable(
+    "k rows",
     ({"k": (2048, INF), "rows": (17, INF)}, (16, 256, 3, 4)),
     ({"k": (1536, INF)}, (16, 256, 3, 2)),
     ({"rows": (0, 16)}, (32, 256, 3, 1)),
     ({}, (16, 256, 3, 1)),
 )
-# Large int4 weights widened as the dot's first operand (W_AS_A) -> the same: 64 weight rows a program (one wgmma
-# tile), K in two slices; the widest (gate/up, n_per_k >= 4) 128 columns and two stages, qkv-like ones of 6,144+
-# outputs one slice above 32 rows.
-INT4_WIDE_TILES = (
+# Large int4 weights widened as the dot's first operand (W_AS_A) -> the same; n_per_k: outputs over columns. 64
+# weight rows a program (one wgmma tile), K in two slices; the widest (gate/up, n_per_k >= 4) 128 columns and two
+# stages, qkv-like ones of 6,144+ outputs one slice above 32 rows.
+INT4_WIDE_TILES = LaunchTable(
+    "n n_per_k rows",
     ({"n_per_k": (4, INF)}, (64, 128, 2, 2)),
     ({"n_per_k": (0, 1)}, (64, 256, 3, 2)),
     ({"rows": (33, INF), "n": (6144, INF)}, (64, 256, 3, 1)),
@@ -108,10 +121,11 @@ INT4_WIDE_TILES = (
 # rows, 32 weight rows a program: rows at least as long as the outputs are many (o, down) 512 columns a step where
 # 1,024 divide K, K in two slices where it is twice the outputs; the widest (gate/up) 128 columns, one slice, 64
 # weight rows and three stages from K = 4,096; the rest (qkv) 256 columns in two slices.
-INT4_INT8_TILES = (
+INT4_INT8_TILES = LaunchTable(
+    "n_per_k k k_align rows",
     ({"rows": (17, INF)}, (64, 256, 3, 2)),
-    ({"n_per_k": (0, Fraction(1, 2)), "k_align": (1024, INF)}, (32, 512, 3, 2)),
-    ({"n_per_k": (0, Fraction(1, 2))}, (32, 256, 3, 2)),
+    ({"n_per_k": (0, 0.5), "k_align": (1024, INF)}, (32, 512, 3, 2)),
+    ({"n_per_k": (0, 0.5)}, (32, 256, 3, 2)),
     ({"n_per_k": (0, 1), "k_align": (1024, INF)}, (32, 512, 3, 1)),
     ({"n_per_k": (0, 1)}, (32, 256, 3, 1)),
     ({"n_per_k": (4, INF), "k": (4096, INF)}, (64, 128, 3, 1)),
@@ -120,21 +134,24 @@ INT4_INT8_TILES = (
 )
 # The paged attention kernel -> (keys a tile, warps, pipeline stages): decode steps (one query row a sequence) up to
 # head_dim 128 take two warps, four stages over an fp8-e5m2 cache.
-PAGED_TILES = (
+PAGED_TILES = LaunchTable(
+    "dim e5m2 decode",
     ({"decode": True, "dim": (0, 128), "e5m2": True}, (64, 2, 4)),
     ({"decode": True, "dim": (0, 128)}, (64, 2, 3)),
     ({"dim": (0, 128)}, (64, 4, 3)),
     ({}, (32, 4, 3)),
 )
 # _decode_e5m2_kernel -> the same: 128 keys up to head_dim 128, a tile of the same bytes past it.
-E5M2_DECODE_TILES = (
+E5M2_DECODE_TILES = LaunchTable(
+    "dim",
     ({"dim": (0, 128)}, (128, 4, 2)),
     ({}, (64, 4, 2)),
 )
 # The register GEMV -> (rows of W a program, warps). long: rows past GEMV_MAX_K, which spill four rows' registers.
 # Small 16-bit weights run faster with eight rows (small fp8 ones do not); int4 rows cost few instructions (int8
 # dots), so their programs take 16. A function of the weight alone, so decode and verify rows of a layer round alike.
-GEMV_TILES = (
+GEMV_TILES = LaunchTable(
+    "kind long small",
     ({"kind": (DENSE, FP8), "long": True}, (2, 4)),
     ({"kind": INT4, "small": True}, (16, 4)),
     ({"kind": INT4, "long": True}, (16, 4)),
@@ -147,27 +164,24 @@ GEMV_TILES = (
 def skinny_config(n: int, k: int, rows: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
     """SKINNY_TILES' row for an [n, k] weight of elem_bytes bytes an element at rows rows, its K step halved until
     it divides k."""
-    shape = {"vocab": n > GEMV_MAX_N, "n": n, "k": k, "k_align": k & -k, "rows": rows, "elem_bytes": elem_bytes}
-    block_n, block_k, stages, split_k = first_match(SKINNY_TILES, **shape)
+    block_n, block_k, stages, split_k = SKINNY_TILES(n > GEMV_MAX_N, n, k, k & -k, rows, elem_bytes)
     return block_n, _k_step(block_k, k, 0), stages, split_k
 
 
 def int4_skinny_config(k: int, rows: int, group: int) -> tuple[int, int, int, int] | None:
     """INT4_SKINNY_TILES' row; None where no K step of whole groups divides k."""
-    return _whole_groups(first_match(INT4_SKINNY_TILES, k=k, rows=rows), k, group)
+    return _whole_groups(INT4_SKINNY_TILES(k, rows), k, group)
 
 
 def int4_wide_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int] | None:
     """INT4_WIDE_TILES' row for an [n, k] weight (_wide_int4 says which take it); None where no K step of whole
     groups divides k."""
-    return _whole_groups(first_match(INT4_WIDE_TILES, n=n, n_per_k=Fraction(n, k), rows=rows), k, group)
+    return _whole_groups(INT4_WIDE_TILES(n, n / k, rows), k, group)
 
 
 def int4_int8_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int, int]:
     """INT4_INT8_TILES' row for an [n, k] weight meeting Int8Rows (meets_int8_rows); a group divides k."""
-    block_n, block_k, stages, split_k = first_match(
-        INT4_INT8_TILES, n_per_k=Fraction(n, k), k=k, k_align=k & -k, rows=rows
-    )
+    block_n, block_k, stages, split_k = INT4_INT8_TILES(n / k, k, k & -k, rows)
     return block_n, _k_step(block_k, k, group), stages, split_k
 
 
@@ -189,17 +203,17 @@ def _k_step(block_k: int, k: int, floor: int) -> int:
 
 def paged_config(dim: int, e5m2: bool, decode: bool) -> tuple[int, int, int]:
     """PAGED_TILES' row."""
-    return first_match(PAGED_TILES, dim=dim, e5m2=e5m2, decode=decode)
+    return PAGED_TILES(dim, e5m2, decode)
 
 
 def e5m2_decode_config(dim: int) -> tuple[int, int, int]:
     """E5M2_DECODE_TILES' row."""
-    return first_match(E5M2_DECODE_TILES, dim=dim)
+    return E5M2_DECODE_TILES(dim)
 
 
 def gemv_config(n_out: int, k: int, kind: int = DENSE) -> tuple[int, int]:
     """GEMV_TILES' row for an [n_out, k] weight of this kind."""
-    return first_match(GEMV_TILES, kind=kind, long=k > GEMV_MAX_K, small=is_small_weight(n_out, k))
+    return GEMV_TILES(kind, k > GEMV_MAX_K, is_small_weight(n_out, k))
 
 
 def skinny_block_m(rows: int, kind: int) -> int:
