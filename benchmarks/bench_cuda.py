@@ -357,7 +357,8 @@ def rotating_time_us(fn_for_layer, layers: int, iters: int = 112) -> float:
 
 @section("GEMM variants, weights streamed from HBM (us per call inside a graph)")
 def gemm_sweep(loaded):
-    from flashnext.plugins.cuda.kernels import CudaKernels, gemv_config, skinny_config
+    from flashnext.plugins.cuda.kernels import CudaKernels
+    from flashnext.plugins.cuda.launch import gemv_config, skinny_config
 
     k, out = CudaKernels(), {}
     dev = torch.device("cuda")

@@ -28,7 +28,7 @@ from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import Fp8Weight, fp8_quantize_per_token  # noqa: E402
 from flashnext.plugins.cpu.kernels import CpuKernels  # noqa: E402
-from flashnext.plugins.cuda.kernels import heads_per_scale, silu_fp8_group  # noqa: E402
+from flashnext.plugins.cuda.launch import heads_per_scale, silu_fp8_group  # noqa: E402
 from numerics import engine_logits, perplexity  # noqa: E402
 
 PASSAGE_TOKENS = 1024

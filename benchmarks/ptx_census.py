@@ -23,9 +23,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashnext.plugins.cuda import kernels as K  # noqa: E402
+from flashnext.plugins.cuda import gemv, launch  # noqa: E402
 
-KINDS = {"bf16": (K.DENSE, "*bf16", "*bf16"), "fp8": (K.FP8, "*fp8e4nv", "*fp32"), "int4": (K.INT4, "*i8", "*bf16")}
+KINDS = {
+    "bf16": (launch.DENSE, "*bf16", "*bf16"),
+    "fp8": (launch.FP8, "*fp8e4nv", "*fp32"),
+    "int4": (launch.INT4, "*i8", "*bf16"),
+}
 WEIGHT_ELEMENTS = {"bf16": "bf16", "fp8": "f8E4M3FN", "int4": "i32"}  # int4: words of eight nibbles
 POINTERS = ("x_ptr", "res_ptr", "res_out_ptr", "nw_ptr", "w_ptr", "scales_ptr", "offsets_ptr", "out_ptr", "live_ptr")
 
@@ -34,11 +38,11 @@ def census(kind: str, n_out: int, k: int, silu: bool = False, group: int = 128) 
     """Compile the fused norm + GEMV (+ SiLU) for one row of x, as CudaKernels.gemv would launch it (int4 weights
     in groups of `group` columns)."""
     wkind, w_type, scale_type = KINDS[kind]
-    group = group if wkind == K.INT4 else 1
+    group = group if wkind == launch.INT4 else 1
     rows_of_w = 2 * n_out if silu else n_out
-    block_n, warps = K.gemv_config(rows_of_w, k, wkind)
-    block_k, block_kb = K.gemv_k_pieces(rows_of_w, k, group)
-    fn = K._norm_gemv_kernel
+    block_n, warps = launch.gemv_config(rows_of_w, k, wkind)
+    block_k, block_kb = launch.gemv_k_pieces(rows_of_w, k, group)
+    fn = gemv._norm_gemv_kernel
     ints = {"K": k, "N_OUT": n_out, "X_PARTS": 0}
     signature = {name: "*bf16" for name in POINTERS} | {
         "w_ptr": w_type,

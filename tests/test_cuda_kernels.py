@@ -17,9 +17,12 @@ triton = pytest.importorskip("triton", reason="triton is a test dependency (pip 
 tl = triton.language
 
 import flashnext.plugins.cuda.drafting as drafting  # noqa: E402
+import flashnext.plugins.cuda.gemv as gemv_module  # noqa: E402
 import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
+import flashnext.plugins.cuda.launch as launch_module  # noqa: E402
+import flashnext.plugins.cuda.quant as quant_module  # noqa: E402
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels  # noqa: E402
-from flashnext.core.precision import fp8_quantize, int4_quantize  # noqa: E402
+from flashnext.core.precision import Fp8Weight, fp8_quantize, int4_quantize  # noqa: E402
 from flashnext.plugins.cuda.drafting import DeviceNgramDrafter  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 
@@ -145,7 +148,7 @@ def _int8_rows_model(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     return xi.reshape(x.shape), scale, xi.sum(-1)
 
 
-def _int8_blocks_model(x: torch.Tensor, w, block: int = kernels_module.X_BLOCK.value) -> torch.Tensor:
+def _int8_blocks_model(x: torch.Tensor, w, block: int = gemv_module.X_BLOCK.value) -> torch.Tensor:
     """What the int4 GEMV (blocks of X_BLOCK columns) or the W4A8 skinny GEMM (the weight's groups) computes, in
     float64: x rounded to int8 a block at a time (_int8_rows_model), times the dequantized weight."""
     xi, scale, _ = _int8_rows_model(x, block)
@@ -167,13 +170,13 @@ def test_int4_gemv_meets_x_as_int8_blocks(k, group_size):
 
 def _packed_x_model(x: torch.Tensor, w) -> torch.Tensor:
     """_int8_blocks_model at PACKED_BLOCK: what the int4 GEMV computes from a PackedX of x."""
-    return _int8_blocks_model(x, w, kernels_module.PACKED_BLOCK.value)
+    return _int8_blocks_model(x, w, gemv_module.PACKED_BLOCK.value)
 
 
 @pytest.fixture
 def packs_any_row(monkeypatch):
     """PackedX hand-overs for rows of any length (PACKED_X_MIN_K keeps them to long rows), at test shapes."""
-    monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)
+    monkeypatch.setattr(launch_module, "PACKED_X_MIN_K", 0)
 
 
 @pytest.mark.parametrize("rows,group_size", [(1, 128), (3, 32)])
@@ -186,7 +189,7 @@ def test_int4_gemvs_hand_over_x_packed_with_the_residual_and_norm(rows, group_si
     x, residual, norm_w = rand(rows, 96, dtype=torch.float32), rand(rows, 256, dtype=torch.float32), rand(256)
     residual[-1, 7] = 30.0  # an outlier coarsens its block only
     packed, new_residual = CUDA.linear_into(x, w1, residual, norm_w, w2)
-    assert isinstance(packed, kernels_module.PackedX) and packed.shape == (rows, 256)
+    assert isinstance(packed, gemv_module.PackedX) and packed.shape == (rows, 256)
     summed = CUDA.linear(x, w1) + residual
     assert torch.equal(new_residual, summed)
     out, passed_on = CUDA.norm_linear(packed, new_residual, norm_w, 1e-6, w2)
@@ -206,7 +209,7 @@ def test_the_silu_gemv_hands_the_down_projection_x_packed(packs_any_row):
     down = int4_quantize(torch.randn(64, 96) * 0.1, group_size=32).to(DEV)
     packed, new_residual = CUDA.norm_linear(x, residual, norm_w, 1e-6, gate_up, silu=True, feeds=down)
     act, same_residual = CUDA.norm_linear(x, residual, norm_w, 1e-6, gate_up, silu=True)
-    assert isinstance(packed, kernels_module.PackedX) and packed.parts == 0
+    assert isinstance(packed, gemv_module.PackedX) and packed.parts == 0
     assert torch.equal(new_residual, same_residual)
     assert nmse(CUDA.linear(packed, down), _packed_x_model(act, down)) < 1e-11
     x16, residual16 = x.to(torch.bfloat16), residual.to(torch.bfloat16)
@@ -235,8 +238,8 @@ def test_x_is_packed_only_between_int4_register_gemvs(monkeypatch):
     for kernels, x, feeds in cases:
         out, passed_on = kernels.linear_into(x, w1, residual[:1].expand(x.shape[0], 64), norm_w, feeds)
         assert isinstance(out, torch.Tensor) and passed_on.data_ptr() == residual.data_ptr()
-        monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # the first case: too short a row
-    assert isinstance(CUDA.linear_into(rand(1, 64), w1, residual, norm_w, w2)[0], kernels_module.PackedX)
+        monkeypatch.setattr(launch_module, "PACKED_X_MIN_K", 0)  # the first case: too short a row
+    assert isinstance(CUDA.linear_into(rand(1, 64), w1, residual, norm_w, w2)[0], gemv_module.PackedX)
 
 
 def test_packed_rows_compute_as_one_row_calls(packs_any_row):
@@ -269,7 +272,7 @@ def test_int4_gemv_keeps_non_finite_rows_non_finite():
 @triton.jit
 def _dp4a_kernel_for_test(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out_ptr + i, kernels_module._dp4a(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)))
+    tl.store(out_ptr + i, gemv_module._dp4a(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)))
 
 
 def test_dp4a_sums_unsigned_bytes_times_signed_bytes():
@@ -633,14 +636,14 @@ def test_e5m2_decode_feeding_an_fp8_projection_writes_fp8_rows_scaled_per_head(h
     caches_16 = [c.clone() for c in (kc, vc)]
     small_step = gemm.rope_attention(qkv, *args, *caches_16, rows_meta, 0.2, heads, kv_heads, dim, feeds=o_weight)
     assert torch.equal(small_step, plain.flatten(1))
-    monkeypatch.setattr(kernels_module, "HEAD_SCALES_ABOVE_ROWS", 3)
+    monkeypatch.setattr(launch_module, "HEAD_SCALES_ABOVE_ROWS", 3)
     with _launches_of("_fp8_quant_rows_kernel") as quant_passes:
         rows = gemm.rope_attention(
             qkv, *args, caches[0], caches[1], rows_meta, 0.2, heads, kv_heads, dim, feeds=o_weight
         )
         out = gemm.linear(rows, o_weight)
     group_heads = 2 if kv_heads * 2 == heads else 1  # a power-of-two kv group shares one scale
-    assert quant_passes == [] and isinstance(rows, kernels_module.Fp8Rows) and rows.group == group_heads * dim
+    assert quant_passes == [] and isinstance(rows, quant_module.Fp8Rows) and rows.group == group_heads * dim
     assert rows.data.shape == (4, heads * dim) and rows.scale.shape == (4, heads // group_heads)
     per_group = plain.float().view(4, heads // group_heads, group_heads * dim)
     amax = per_group.abs().amax(-1)
@@ -686,7 +689,7 @@ def test_skinny_gemm_applies_a_scale_per_group_of_columns(group, config):
     rows, k = 5, 256
     x = rand(rows, k)
     data, scale = CUDA.fp8_quantize_rows(x.view(rows * k // group, group))
-    grouped = kernels_module.Fp8Rows(data.view(rows, k), scale.view(rows, k // group), x.dtype, group)
+    grouped = quant_module.Fp8Rows(data.view(rows, k), scale.view(rows, k // group), x.dtype, group)
     w8 = fp8_quantize(torch.randn(40, k)).to(DEV)
     out = CudaKernels().skinny_gemm(grouped, w8, config=config)
     assert nmse(out, _grouped_fp8_product(grouped, w8)) < 5e-5  # the bf16 output's rounding
@@ -805,7 +808,7 @@ def test_int4_gemm_matches_dequantized_reference(group_size, rows, k):
 
 
 def test_skinny_config_steps_by_bytes_of_a_weight_row_past_16_rows():
-    from flashnext.plugins.cuda.kernels import skinny_config
+    from flashnext.plugins.cuda.launch import skinny_config
 
     assert skinny_config(4096, 1024, 64, 1) == (32, 256, 4, 1)  # fp8 qkv: 256 bytes a step, as bf16's 128 columns
     assert skinny_config(4096, 1024, 64, 2) == (32, 128, 4, 1)
@@ -814,13 +817,13 @@ def test_skinny_config_steps_by_bytes_of_a_weight_row_past_16_rows():
     assert skinny_config(1152, 576, 64, 1) == (16, 64, 4, 1)  # SmolLM2: halved until the step divides K
     assert skinny_config(6144, 1024, 8, 1) == skinny_config(6144, 1024, 8, 2) == (32, 128, 4, 1)  # <= 16 rows
     assert skinny_config(4096, 1024, 24, 1) == skinny_config(4096, 1024, 64, 1)
-    assert [kernels_module.skinny_block_m(rows, kernels_module.FP8) for rows in (5, 16, 17, 40)] == [16, 16, 64, 64]
-    assert kernels_module.skinny_block_m(24, kernels_module.INT4) == 32  # int4 tiles keep the rows' power of two
+    assert [launch_module.skinny_block_m(rows, launch_module.FP8) for rows in (5, 16, 17, 40)] == [16, 16, 64, 64]
+    assert launch_module.skinny_block_m(24, launch_module.INT4) == 32  # int4 tiles keep the rows' power of two
 
 
 def test_vocabulary_projections_take_their_own_skinny_config():
     """Past GEMV_MAX_N outputs: 64 weight rows a program, 256 bytes of a row a step (fp8 past 32 rows: 128)."""
-    from flashnext.plugins.cuda.kernels import skinny_config
+    from flashnext.plugins.cuda.launch import skinny_config
 
     assert skinny_config(151936, 1024, 32, 1) == skinny_config(151936, 1024, 8, 1) == (64, 256, 3, 1)
     assert skinny_config(151936, 1024, 64, 1) == (64, 128, 3, 1)
@@ -830,8 +833,8 @@ def test_vocabulary_projections_take_their_own_skinny_config():
 
 def test_wide_outputs_fit_the_skinny_gemm_when_fp8_or_only_their_argmax_is_wanted():
     x = rand(64, 64)
-    wide = kernels_module.GEMV_MAX_N + 16
-    fp8_head = kernels_module.Fp8Weight(torch.zeros(wide, 64, dtype=torch.float8_e4m3fn), torch.ones(wide, 1))
+    wide = launch_module.GEMV_MAX_N + 16
+    fp8_head = Fp8Weight(torch.zeros(wide, 64, dtype=torch.float8_e4m3fn), torch.ones(wide, 1))
     bf16_head = torch.zeros(wide, 64, dtype=torch.bfloat16)
     assert CUDA._skinny_fits(x, fp8_head) and not CUDA._skinny_fits(rand(65, 64), fp8_head)
     assert not CUDA._skinny_fits(x, bf16_head) and CUDA._skinny_fits(x, bf16_head, keys_only=True)
@@ -840,7 +843,7 @@ def test_wide_outputs_fit_the_skinny_gemm_when_fp8_or_only_their_argmax_is_wante
 @pytest.fixture
 def narrow_gemv_n(monkeypatch):
     """A 300-token vocabulary counts as wide (past GEMV_MAX_N), as Qwen3's 151,936 does, at interpreter sizes."""
-    monkeypatch.setattr(kernels_module, "GEMV_MAX_N", 64)
+    monkeypatch.setattr(launch_module, "GEMV_MAX_N", 64)
 
 
 @pytest.mark.parametrize("head_kind", ["fp8", "bf16"])
@@ -856,10 +859,10 @@ def test_greedy_keys_fold_the_argmax_into_the_vocabulary_projection(narrow_gemv_
     head = fp8_quantize(w) if head_kind == "fp8" else w.to(torch.bfloat16)
     x, res, w_norm = rand(rows, dim), rand(rows, dim), rand(dim).abs() + 0.5
     x[0], res[0] = w[17].to(x.dtype), 0  # row 0's best tokens: 17 and 250
-    keys = torch.zeros(rows, kernels_module.argmax_chunks(vocab), dtype=torch.int64, device=DEV)
+    keys = torch.zeros(rows, launch_module.argmax_chunks(vocab), dtype=torch.int64, device=DEV)
     with _launches_of("_skinny_gemm_kernel") as gemms, _launches_of("_argmax_chunks_kernel") as passes:
         CUDA.greedy_keys(x, res, w_norm, 1e-6, head, keys)
-    fused = rows > kernels_module.GEMV_MAX_ROWS or head_kind == "bf16"
+    fused = rows > launch_module.GEMV_MAX_ROWS or head_kind == "bf16"
     assert (len(gemms), len(passes)) == ((1, 0) if fused else (0, 1))
     normed = CUDA._norm_for(x, res, w_norm, 1e-6, head)[0]
     logits = CUDA.skinny_gemm(normed, head) if gemms else CUDA.norm_linear(x, res, w_norm, 1e-6, head)[0]
@@ -871,7 +874,7 @@ def test_greedy_keys_fold_the_argmax_into_the_vocabulary_projection(narrow_gemv_
 
 
 def test_int4_skinny_config_takes_whole_groups_that_divide_k():
-    from flashnext.plugins.cuda.kernels import int4_skinny_config
+    from flashnext.plugins.cuda.launch import int4_skinny_config
 
     assert int4_skinny_config(1024, 8, 128) == (32, 256, 3, 1)
     assert int4_skinny_config(3072, 32, 128) == (16, 256, 3, 4)  # long rows: K in slices
@@ -919,7 +922,7 @@ def test_gemv_rows_are_computed_as_one_row_calls(kind, k, rows, small, monkeypat
     """Row invariance (what keeps 16-bit speculative verify == decode): row i of a many-row GEMV, residual, norm
     and silu included, is bit-equal to a one-row call on row i alone (widths as SmolLM2's: 576, 1536), whether
     the rows get programs of their own (small weights) or share each program's weight tile (large ones)."""
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: small)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: small)
     w = torch.randn(2 * 24, k) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind]
     w = w.to(DEV)
@@ -937,7 +940,7 @@ def test_row_invariant_graphs_put_the_vocabulary_projection_through_16_row_skinn
     """The vocabulary projection (wider than the GEMV takes) of a row-invariant graph runs the skinny GEMM in
     16-row tiles whatever the row count, so each row equals a one-row call (20 rows: two tiles); elsewhere it
     stays on cuBLAS."""
-    monkeypatch.setattr(kernels_module, "GEMV_MAX_N", 256)
+    monkeypatch.setattr(launch_module, "GEMV_MAX_N", 256)
     tiles = []
     skinny = CudaKernels.skinny_gemm
     monkeypatch.setattr(
@@ -959,7 +962,7 @@ def test_row_invariant_int4_rows_past_the_fused_limit_stay_in_the_skinny_gemm(mo
     """Int4 batches above INT4_SKINNY_MAX_ROWS take a dequantization pass and a 16-bit GEMM, which sums in another
     order; in a row-invariant graph (where the GEMV cannot take the weight) every row count stays in the fused
     skinny GEMM's 16-row tiles, so each row equals a one-row call."""
-    monkeypatch.setattr(kernels_module, "INT4_SKINNY_MAX_ROWS", 4)
+    monkeypatch.setattr(launch_module, "INT4_SKINNY_MAX_ROWS", 4)
     w = int4_quantize(torch.randn(48, 256) * 0.1, group_size=32).to(DEV)
     x = rand(20, 256)
     kernels = CudaKernels()
@@ -984,7 +987,7 @@ def test_gemv_skips_dead_rows_that_have_programs_of_their_own(kind, row_block, m
     have programs of their own, a dead row's program writes nothing (its output and residual rows keep what the
     buffers held); where they share programs every row is computed, and a dead one (NaN in its x) cannot disturb
     a live one."""
-    monkeypatch.setattr(kernels_module, "gemv_row_block", lambda rows, n_out, k: row_block)
+    monkeypatch.setattr(launch_module, "gemv_row_block", lambda rows, n_out, k: row_block)
     w = torch.randn(2 * 24, 576) * 0.1
     w = (w.to(torch.bfloat16) if kind == "bf16" else int4_quantize(w, group_size=32)).to(DEV)
     x, res, w_norm = rand(5, 576), rand(5, 576), rand(576)
@@ -1007,7 +1010,7 @@ def test_gemv_row_pieces_follow_the_weight():
     """Small weights hold a row as a power-of-two piece plus the rest (SmolLM2's 576 = 512 + 64, 1,536 = 1,024 +
     512), so do int4 rows of any size and 16-bit or fp8 ones one piece would pad by more than a quarter; powers of
     two, int4 rests smaller than a group and larger 16-bit rows padded by at most a quarter keep one piece."""
-    pieces = kernels_module.gemv_k_pieces
+    pieces = launch_module.gemv_k_pieces
     assert pieces(960, 576, 1) == (512, 64) and pieces(1152, 1536, 32) == (1024, 512)
     assert pieces(4096, 1024, 1) == (1024, 0) and pieces(1024, 3072, 1) == (4096, 0)  # Qwen3: 2^21 elements and up
     assert pieces(1024, 3072, 128) == (2048, 1024) and pieces(4096, 1024, 128) == (1024, 0)
@@ -1022,12 +1025,12 @@ def test_gemv_row_pieces_follow_the_weight():
 def test_rows_padded_past_a_quarter_give_the_product_in_two_pieces(kind, monkeypatch):
     """A larger weight's 320-column rows (Qwen3-4B's 2,560 scaled down) in two pieces, 256 + 64, with the larger
     weights' GEMV programs (int4: 16 rows, 8 warps): the product, 16-bit x or its int8 blocks."""
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     dense = torch.randn(48, 320) * 0.1
     w = (dense.to(torch.bfloat16) if kind == "bf16" else int4_quantize(dense, group_size=64)).to(DEV)
     x = rand(1, 320, dtype=torch.float32 if kind == "int4" else torch.bfloat16)  # fp32 out: the blocks' bits show
     group = 64 if kind == "int4" else 1
-    assert kernels_module.gemv_k_pieces(48, 320, group) == (256, 64)
+    assert launch_module.gemv_k_pieces(48, 320, group) == (256, 64)
     out = CUDA.linear(x, w)
     if kind == "int4":
         assert nmse(out, _int8_blocks_model(x, w)) < 1e-11 and CUDA._weight_kind(w)[0] == 2
@@ -1049,8 +1052,8 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
     """Int4 rows past GEMV_MAX_K (scaled down here to 256 columns) still take the register GEMV up to
     LONG_GEMV_MAX_K columns and large_gemv_rows rows: in two pieces, a row a program, 16 rows x 4 warps; the int8
     x blocks' products and each row a one-row call's bits. More rows and longer rows go to the skinny GEMM."""
-    monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "GEMV_MAX_K", 256)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     w = int4_quantize(torch.randn(40, 384) * 0.1, group_size=128).to(DEV)
     x = rand(rows, 384, dtype=torch.float32)
     kernels = CudaKernels()
@@ -1058,12 +1061,12 @@ def test_int4_rows_past_gemv_max_k_take_the_gemv_a_row_a_program(rows, large_gem
     out = kernels.linear(x, w)
     long_gemv = rows <= large_gemv_rows
     assert gemv_rows == ([rows] if long_gemv else [])
-    assert kernels_module.gemv_row_block(rows, 40, 384) == 1 and kernels_module.gemv_config(40, 384, 2) == (16, 4)
-    assert kernels_module.gemv_k_pieces(40, 384, 128) == (256, 128)
+    assert launch_module.gemv_row_block(rows, 40, 384) == 1 and launch_module.gemv_config(40, 384, 2) == (16, 4)
+    assert launch_module.gemv_k_pieces(40, 384, 128) == (256, 128)
     assert all(torch.equal(kernels.linear(x[i : i + 1], w)[0], out[i]) for i in range(rows)) or not long_gemv
     assert nmse(out, _int8_blocks_model(x, w)) < (1e-11 if long_gemv else 1e-4)
     gemv_rows.clear()
-    monkeypatch.setattr(kernels_module, "LONG_GEMV_MAX_K", 256)
+    monkeypatch.setattr(launch_module, "LONG_GEMV_MAX_K", 256)
     kernels.linear(x, w)
     assert gemv_rows == []
 
@@ -1074,15 +1077,15 @@ def test_long_16_bit_and_fp8_rows_take_the_gemv_for_one_row_calls(kind, gemv_row
     up to long_gemv_rows rows (one by default): two pieces, 2 weight rows x 4 warps. Two rows, long_gemv_rows 0
     (graphs whose verify rows share decode's route) or rows past LONG_GEMV_MAX_K go to the skinny GEMM, and only
     there does an fp8 weight take its input as fp8 rows. Both routes give the product."""
-    monkeypatch.setattr(kernels_module, "GEMV_MAX_K", 256)
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "GEMV_MAX_K", 256)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     dense = torch.randn(40, 384) * 0.1
     w = (dense.to(torch.bfloat16) if kind == "bf16" else fp8_quantize(dense)).to(DEV)
     x = rand(2, 384)
     want = x.double() @ (w.double() if kind == "bf16" else w.dequantize(torch.float64)).T
     kernels = CudaKernels()
-    assert kernels_module.gemv_config(40, 384, kernels._weight_kind(w)[0]) == (2, 4)
-    assert kernels_module.gemv_k_pieces(40, 384, 1) == (256, 128)
+    assert launch_module.gemv_config(40, 384, kernels._weight_kind(w)[0]) == (2, 4)
+    assert launch_module.gemv_k_pieces(40, 384, 1) == (256, 128)
     assert not kernels._takes_fp8_rows(x[:1], w) and kernels._takes_fp8_rows(x, w) == (kind == "fp8")
     one, two = kernels.linear(x[:1], w), kernels.linear(x, w)
     assert gemv_rows == [1]
@@ -1091,7 +1094,7 @@ def test_long_16_bit_and_fp8_rows_take_the_gemv_for_one_row_calls(kind, gemv_row
     kernels.long_gemv_rows = 0
     kernels.linear(x[:1], w)
     kernels.long_gemv_rows = 1
-    monkeypatch.setattr(kernels_module, "LONG_GEMV_MAX_K", 256)
+    monkeypatch.setattr(launch_module, "LONG_GEMV_MAX_K", 256)
     kernels.linear(x[:1], w)
     assert gemv_rows == [1]
 
@@ -1101,13 +1104,13 @@ def test_large_weights_take_the_gemv_a_row_a_program_for_large_gemv_rows_rows(ki
     """Weights of LARGE_WEIGHT elements or more (scaled down here) run the GEMV a row a program (each row a
     one-row call's bits); 16-bit and fp8 ones only for calls of up to large_gemv_rows rows (then the skinny GEMM),
     int4 ones of 32-column groups (which do not meet Int8Rows) for any row count the GEMV takes."""
-    monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "LARGE_WEIGHT", 48 * 256)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
     w = torch.randn(48, 256) * 0.1
     w = {"bf16": w.to(torch.bfloat16), "fp8": fp8_quantize(w), "int4": int4_quantize(w, group_size=32)}[kind].to(DEV)
     x = rand(3, 256)
     kernels = CudaKernels()
-    assert kernels_module.gemv_row_block(3, 48, 256) == 1 and kernels_module.gemv_row_block(3, 47, 256) > 1
+    assert launch_module.gemv_row_block(3, 48, 256) == 1 and launch_module.gemv_row_block(3, 47, 256) > 1
     kernels.linear(x[:1], w)
     kernels.linear(x[:2], w)
     assert gemv_rows == ([1, 2] if kind == "int4" else [1])
@@ -1137,8 +1140,8 @@ def test_long_rows_of_a_4b_model_give_the_product_through_either_route(kind):
 @pytest.fixture
 def large_int4(monkeypatch):
     """Int4 weights of 48 x 256 elements and up count as large (the layers of 1.7B+ models, scaled down)."""
-    monkeypatch.setattr(kernels_module, "LARGE_WEIGHT", 48 * 256)
-    monkeypatch.setattr(kernels_module, "_small_weight", lambda n_out, k: False)
+    monkeypatch.setattr(launch_module, "LARGE_WEIGHT", 48 * 256)
+    monkeypatch.setattr(launch_module, "is_small_weight", lambda n_out, k: False)
 
 
 @pytest.mark.parametrize("group", [64, 128])
@@ -1200,7 +1203,7 @@ def test_int8_rows_from_the_norm_and_silu_equal_quantizing_after(large_int4):
     gate_up = int4_quantize(torch.randn(2 * 192, 256), group_size=128).to(DEV)
     down = int4_quantize(torch.randn(256, 192), group_size=64).to(DEV)
     act, new_res = CUDA.norm_linear(x, res, w_norm, 1e-6, gate_up, silu=True, feeds=down)
-    assert isinstance(act, kernels_module.Int8Rows) and act.group == 64
+    assert isinstance(act, quant_module.Int8Rows) and act.group == 64
     normed, ref_res = CUDA.add_rmsnorm(x, res, w_norm, 1e-6)
     ref_act = CUDA.silu_and_mul(CUDA.linear(CUDA.int8_quantize_rows(normed, 128), gate_up))
     assert torch.equal(new_res, ref_res)
@@ -1226,7 +1229,7 @@ def test_int8_rows_keep_each_row_as_a_one_row_call_computes_it(large_int4):
 @pytest.fixture
 def wide_int4(large_int4, monkeypatch):
     """Large int4 weights (scaled down) of 64+ outputs are widened as the first operand at 17-64 rows."""
-    monkeypatch.setattr(kernels_module, "INT4_WIDE_MIN_N", 64)
+    monkeypatch.setattr(launch_module, "INT4_WIDE_MIN_N", 64)
 
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -1264,7 +1267,7 @@ def test_wide_int4_route_leaves_what_it_does_not_win(wide_int4, monkeypatch):
     assert not CUDA._wide_int4(rand(32, 256), widest) and CUDA._takes_int8_rows(rand(32, 256), widest)
     assert CUDA._wide_int4(rand(33, 256), widest)
     assert not CUDA._wide_int4(rand(20, 256), int4_quantize(torch.randn(40, 256), group_size=128).to(DEV))
-    monkeypatch.setattr(kernels_module, "INT4_WIDE_MIN_N", 128)
+    monkeypatch.setattr(launch_module, "INT4_WIDE_MIN_N", 128)
     assert not CUDA._wide_int4(rand(20, 256), large) and not CUDA._wide_int4(rand(40, 256), large)
     assert CUDA._takes_int8_rows(rand(20, 256), large)
     kernels = CudaKernels()
@@ -1305,7 +1308,7 @@ def test_silu_ahead_of_a_wide_int4_down_projection_writes_16_bit_rows(wide_int4)
 
 
 def test_int4_wide_config_follows_the_weight():
-    cfg = kernels_module.int4_wide_config
+    cfg = launch_module.int4_wide_config
     assert cfg(12288, 2048, 64, 128) == (64, 128, 2, 2) and cfg(24576, 4096, 40, 128) == (64, 128, 2, 2)  # gate/up
     assert cfg(2560, 9728, 64, 128) == (64, 256, 3, 2) and cfg(4096, 4096, 20, 128) == (64, 256, 3, 2)  # down, o
     assert cfg(6144, 2560, 64, 128) == (64, 256, 3, 1) and cfg(6144, 2560, 32, 128) == (64, 256, 3, 2)  # qkv
@@ -1328,7 +1331,7 @@ def test_wide_int4_at_full_size_gives_the_product(n, k, rows):
 
 
 def test_int4_int8_config_follows_the_weight():
-    cfg = kernels_module.int4_int8_config
+    cfg = launch_module.int4_int8_config
     assert cfg(24576, 4096, 4, 128) == (64, 128, 3, 1) and cfg(19456, 2560, 4, 128) == (32, 128, 4, 1)  # gate/up
     assert cfg(4096, 12288, 8, 128) == (32, 512, 3, 2) and cfg(2560, 9728, 8, 128) == (32, 256, 3, 2)  # down
     assert cfg(2560, 4096, 2, 128) == (32, 512, 3, 1) and cfg(6144, 4096, 16, 128) == (32, 256, 3, 2)  # o, qkv
@@ -1355,7 +1358,7 @@ def test_fp8_rows_from_the_norm_and_silu_equal_quantizing_after(rows):
     x, res, w_norm = rand(rows, 256), rand(rows, 256), rand(256)
     gate_up, down = fp8_quantize(torch.randn(2 * 64, 256)).to(DEV), fp8_quantize(torch.randn(32, 64)).to(DEV)
     act, new_res = CUDA.norm_linear(x, res, w_norm, 1e-6, gate_up, silu=True, feeds=down)
-    assert isinstance(act, kernels_module.Fp8Rows)
+    assert isinstance(act, quant_module.Fp8Rows)
     normed, ref_res = CUDA.add_rmsnorm(x, res, w_norm, 1e-6)
     ref_act = CUDA.silu_and_mul(CUDA.linear(normed, gate_up))
     assert torch.equal(new_res, ref_res)

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
-import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
+import flashnext.plugins.cuda.launch as launch_module  # noqa: E402
 from flashnext.core.cli_bench import random_model  # noqa: E402
 from flashnext.core.engine.runner import ModelRunner, RunnerSetup  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
@@ -61,7 +61,7 @@ def test_int4_decode_hands_x_packed_from_gemv_to_gemv(tiny_random, monkeypatch):
         return gemv(self, x, w, *args, pack=pack, **kwargs)
 
     monkeypatch.setattr(CudaKernels, "gemv", spy)
-    monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # at this model's rows of 64 and 96 columns
+    monkeypatch.setattr(launch_module, "PACKED_X_MIN_K", 0)  # at this model's rows of 64 and 96 columns
     runner_class = CudaGraphRunner.for_profile(Profile(name="basic"))
     packed = _two_steps(tiny_random, CudaKernels(), runner_class, "int4")
     assert sum(packs) == 3 * tiny_random.config.num_layers - 1

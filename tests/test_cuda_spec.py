@@ -22,7 +22,8 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.spec.ngram import lookup  # noqa: E402
-from flashnext.plugins.cuda.kernels import LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.launch import LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS  # noqa: E402
 from flashnext.plugins.cuda.runner import MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner, _Lookahead, copy_yield  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -356,12 +357,12 @@ def test_verify_graph_gives_the_plain_tokens(precision, monkeypatch):
     with x handed on packed between GEMVs too (int4-packed): the verify rows run the decode step's row-invariant
     kernels, so near-ties round the same way in both; rows past a step's drafts and a bucket's padding row are
     skipped without changing a live row."""
-    import flashnext.plugins.cuda.kernels as kernels_module
+    import flashnext.plugins.cuda.launch as launch_module
     from flashnext.core.llm import LLM
 
     if precision == "int4-packed":
         precision = "int4"
-        monkeypatch.setattr(kernels_module, "PACKED_X_MIN_K", 0)  # SmolLM2's rows are short
+        monkeypatch.setattr(launch_module, "PACKED_X_MIN_K", 0)  # SmolLM2's rows are short
 
     loaded = random_model("smollm2-135m", torch.device("cuda"))
     motifs = torch.randint(0, 49152, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()

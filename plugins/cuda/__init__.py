@@ -45,7 +45,7 @@ class CudaBackend(Backend):
         drafters=("ngram", "mtp"),
         kv_dtypes=FP8_KV + WIDE_KV,  # e5m2 (read as fp8, widened to fp16 for the dots) or e4m3, inside attention
         extra={
-            "triton_kernels": True,  # plugins/cuda/kernels.py; unit-tested against the reference kernels
+            "triton_kernels": True,  # CudaKernels (kernels.py); unit-tested against the reference kernels
             # fp8-e4m3 weights, per-channel scales: 16-bit activations in the small-batch GEMV, per-token fp8
             # activations (written by the rmsnorm / SiLU before the projection) in the decode-batch Triton GEMM
             # and in torch._scaled_mm for prefill-sized batches. The LM head too, if the profile asks.
@@ -84,8 +84,8 @@ class CudaBackend(Backend):
         return CudaKernels()
 
     def quantized_head(self, precision) -> bool:
-        # An fp8 head reads half the bytes of Qwen3's largest matrix: a batch-64 fp8-e4m3 step 1,321.7 -> 1,288.8 us
-        # (H200) for +155 MB (the bf16 embedding table stays for the lookup) and fp8-rounded logits. Int4 weights'
+        # An fp8 head reads half the bytes of the largest matrix, for the memory of a second copy (the 16-bit
+        # embedding table stays for the lookup) and fp8-rounded logits (docs/architecture.md). Int4 weights'
         # head is fp8 too (Precision.head), which past the GEMV's rows needs fp8 tensor cores.
         if precision.name == "int4":
             return torch.cuda.is_available() and _capability()[:2] >= FP8_CAPABILITY

@@ -10,7 +10,9 @@ import triton.language as tl
 from flashnext.core.spec.decoder import SpecStats
 from flashnext.core.spec.drafter import NGRAM_RULE
 
-from .kernels import CudaKernels, _after_producer, _argmax_token, _key_chunks, _pow2
+from .decode_step import _argmax_token, _key_chunks
+from .kernels import CudaKernels
+from .primitives import _after_producer, _pow2
 
 # A spec row's counters (_spec_accept_kernel) before its per-position ones: verify steps, steps with drafts, drafted,
 # accepted.

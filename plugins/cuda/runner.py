@@ -41,7 +41,7 @@ from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 
 from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
-from .kernels import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
+from .launch import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -54,7 +54,7 @@ SPEC_CHUNK_STEPS = 8
 # depends on the model, the batch and the GPU, and what it yields on the text. The losing kind is retried (for two
 # round trips): a losing spec after SPEC_RETRY round trips, then twice as many, up to SPEC_MAX_RETRY, as the text
 # may have turned copyable; a losing decode once after 2 * SPEC_RETRY, then only every SPEC_MAX_RETRY, as its rate
-# does not depend on the text (retrying it as often cost ~80-token copy-heavy requests 12% of their speed: 32
+# does not depend on the text (retrying it as often cost short copy-heavy requests a share of their speed: 32
 # decode steps among ~4 spec round trips). For the same reason a decode round faster than the decode rate sets
 # it: a slower one is what a host hiccup makes, so it only pulls the rate down by RATE_SMOOTHING.
 SPEC_RETRY, SPEC_MAX_RETRY = 8, 128
@@ -63,9 +63,8 @@ RATE_SMOOTHING = 0.5
 # what verify steps would have gained on them); when that, at the rate verify steps were last measured to run,
 # beats the decode rate by this margin, it becomes spec's rate, so spec takes over at once and its own rounds
 # correct the estimate. (A copy-heavy request after free-form ones otherwise waited for spec's next retry, 8 to 128
-# decode rounds: on the real SmolLM2 it ran at 0.99x decode.) The margin covers steps with drafts costing more
-# than those the rate was likely measured on, free-form text's, mostly without (H200, SmolLM2 K = 4: int4 528
-# vs 409 us, bf16 661 vs 462).
+# decode rounds, no faster than decode.) The margin covers steps with drafts costing more than those the rate was
+# likely measured on, free-form text's, mostly without (docs/architecture.md).
 SPEC_ESTIMATE_MARGIN = 1.5
 _SEED_MASK = (1 << 62) - 1
 # Integer inputs packed in one pinned buffer so a chunk costs one host-to-device copy: rows of _INT_FIELDS.
@@ -79,8 +78,8 @@ _SPEC_FIELDS = ("ntok", "cap", "max_pos", "request_seed")
 
 def graph_buckets(sizes: list[int], max_num_seqs: int) -> list[int]:
     """The decode graphs' batch sizes: the profile's, a size past max_num_seqs standing for max_num_seqs itself, so
-    that a batch between the last size under it and max_num_seqs pads to a graph instead of running eagerly (with
-    max_num_seqs 48, batches of 33-48 ran eagerly: Qwen3-4B int4 decode 2,128 tok/s at 40 against 6,573 at 32)."""
+    that a batch between the last size under it and max_num_seqs pads to a graph instead of running eagerly, at a
+    fraction of a graph's speed."""
     return sorted({min(b, max_num_seqs) for b in sizes if b > 0})
 
 
@@ -100,8 +99,8 @@ def copy_yield(tokens: list[int], start: int, k: int) -> float:
 
 def _has_earlier_copy(history: np.ndarray, start: int) -> np.ndarray:
     """For each position p >= start, whether the MIN_NGRAM tokens before p occur earlier with a token after them
-    (else lookup drafts nothing there: most positions of new text, found for all at once rather than one lookup
-    call of ~20 us each)."""
+    (else lookup drafts nothing there: most positions of new text, found for all at once rather than a lookup
+    call each)."""
     # A hash of each MIN_NGRAM-gram (int64 wrap-around): a false match only costs a lookup call.
     grams = history[: len(history) - MIN_NGRAM + 1]
     for j in range(1, MIN_NGRAM):
