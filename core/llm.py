@@ -108,6 +108,12 @@ class LLM:
         self._warm_up_s += seconds - (self.engine.runner.stats().warm_up_s - runner_before)  # the runner counts its own
         return seconds
 
+    def close(self) -> None:
+        """End the tensor-parallel group (its other ranks exit; this process may start another). Done at exit
+        anyway; nothing to do on one device."""
+        if self.parallel:
+            self.parallel.stop()
+
     @staticmethod
     def _load(backend, model: str | None) -> LoadedModel:
         with progress.stage("loading model") as advance:

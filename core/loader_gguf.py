@@ -134,15 +134,23 @@ def load_gguf(path: str | Path) -> LoadedModel:
 
 
 def gguf_config(path: str | Path) -> ModelConfig:
-    """The model's config alone, from the header (a tensor-parallel size is checked against it first)."""
-    return _open_gguf(Path(path))[2]
+    """The model's config alone, from the header or its converted copy (a tensor-parallel size is checked
+    against it first)."""
+    entry = model_cache.entry_for(Path(path))
+    return (entry and model_cache.cached_config(entry)) or _open_gguf(Path(path))[2]
 
 
 def load_gguf_shard(path: str | Path, shard: Shard) -> LoadedModel:
     """One tensor-parallel rank's slices of a GGUF, cut from the memory map before anything is decoded: rows of a
     quantized tensor are whole blocks, so slicing output rows is exact; input columns are sliced on block
-    boundaries (a size that would cut a block is refused). The converted-model cache is not used here."""
+    boundaries (a size that would cut a block is refused). From the converted-model cache where it holds the file
+(slices of its safetensors), else from the GGUF itself (no entry is written: that would convert it all)."""
     path = Path(path)
+    entry = model_cache.entry_for(path)
+    cached = model_cache.load(entry, str(path), shard) if entry else None
+    if cached:
+        config, weights, tokenizer = cached
+        return sharded_model(config, shard.plan(config, str(path)), weights, tokenizer, str(path), path.stem)
     reader, tokenizer, config = _open_gguf(path)
     plan = shard.plan(config, str(path))
     local = plan.local_config()

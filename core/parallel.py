@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import pickle
+import signal
 import socket
 import sys
 import threading
@@ -65,6 +67,8 @@ def start(backend, model, settings: Profile, call: dict) -> TensorParallel | Non
     _refuse_what_does_not_split(backend, settings)
     config, source = _config_of(model)
     check_size(config, size, source)
+    if dist.is_initialized():
+        raise UserError("a tensor-parallel group is already running in this process; close() its LLM first")
     workers = None
     if joined:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -312,42 +316,38 @@ class TensorParallel:
         watcher prints it and ends the process); otherwise the caller's error stands."""
         if self.workers is None or self._stopping:
             return
-        wait([p.sentinel for p in self.workers.processes], timeout=wait_s)
-        if any(not p.is_alive() for p in self.workers.processes):
-            self._report()
+        dead = wait([p.sentinel for p in self.workers.processes], timeout=wait_s)
+        if dead:
+            self._report(dead)
 
     def _watch(self) -> None:
-        while not self._stopping:
-            wait([p.sentinel for p in self.workers.processes])
-            if self._stopping:
-                return
-            self._report()
+        dead = wait([p.sentinel for p in self.workers.processes])
+        if not self._stopping:
+            self._report(dead)
 
-    def _report(self) -> None:
-        """One line naming the first rank that failed and why, the other ranks ended, the process ended."""
+    def _report(self, dead: list) -> None:
+        """One line naming the first rank that failed and why; the other ranks ended, then this process."""
         with self._reported:
             if self._stopping:
                 return
-            try:
-                self.workers.join(timeout=1)
-                line = "a tensor-parallel rank ended early"
-            except Exception as exc:
-                line = _failure_line(exc)
-            print(f"error: {line}", file=sys.stderr, flush=True)
-            for p in self.workers.processes:
+            processes = self.workers.processes
+            rank = 1 + next(i for i, p in enumerate(processes) if p.sentinel in dead)
+            for p in processes:
                 if p.is_alive():
                     p.kill()
+            line = _failure_line(rank, processes[rank - 1], self.workers.error_files[rank - 1])
+            print(f"error: {line}", file=sys.stderr, flush=True)
             os._exit(1)
 
 
-def _failure_line(exc) -> str:
-    rank = getattr(exc, "error_index", -1) + 1
-    signal_name = getattr(exc, "signal_name", None)
-    if signal_name:
-        return f"tensor-parallel rank {rank} died ({signal_name}); the group is stopped"
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else type(exc).__name__
-    code = getattr(exc, "exit_code", None)
-    if code is not None and "Traceback" not in str(exc):
-        return f"tensor-parallel rank {rank} exited with code {code}; the group is stopped"
-    return f"tensor-parallel rank {rank} failed: {last}"
+def _failure_line(rank: int, process, error_file: str) -> str:
+    process.join(1)
+    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):
+        with open(error_file, "rb") as fh:
+            trace = pickle.load(fh)  # what the rank raised, as torch.multiprocessing records it
+        lines = [line.strip() for line in str(trace).splitlines() if line.strip()]
+        return f"tensor-parallel rank {rank} failed: {lines[-1] if lines else 'an exception'}"
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"tensor-parallel rank {rank} died ({signal.Signals(-code).name}); the group is stopped"
+    return f"tensor-parallel rank {rank} exited with code {code}; the group is stopped"

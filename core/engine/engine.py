@@ -244,8 +244,8 @@ class LLMEngine:
         want_hidden = self.profile.spec == "mtp"
         if self.parallel is None:
             return self.runner.step(StepInput(batch, want_hidden))
-        self.parallel.send_step(batch, want_hidden)  # the other ranks run the same step
         try:
+            self.parallel.send_step(batch, want_hidden)  # the other ranks run the same step
             return self.runner.step(StepInput(batch, want_hidden))
         except Exception:
             self.parallel.explain_failure()
