@@ -143,8 +143,8 @@ def gguf_config(path: str | Path) -> ModelConfig:
 def load_gguf_shard(path: str | Path, shard: Shard) -> LoadedModel:
     """One tensor-parallel rank's slices of a GGUF, cut from the memory map before anything is decoded: rows of a
     quantized tensor are whole blocks, so slicing output rows is exact; input columns are sliced on block
-    boundaries (a size that would cut a block is refused). From the converted-model cache where it holds the file
-(slices of its safetensors), else from the GGUF itself (no entry is written: that would convert it all)."""
+    boundaries (a size that would cut a block is refused). From the converted-model cache where it holds the
+    file (slices of its safetensors), else from the GGUF itself (no entry is written: that would convert it all)."""
     path = Path(path)
     entry = model_cache.entry_for(path)
     cached = model_cache.load(entry, str(path), shard) if entry else None

@@ -17,7 +17,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import UserError
-from .precision import Fp8Weight, Int4Weight, Weight
+from .precision import Int4Weight, Weight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _ROWS_BY_HEAD = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")
@@ -44,8 +44,7 @@ def check_size(config: ModelConfig, size: int, source: str) -> None:
     if size == 1 or size_fits(config, size):
         return
     counts = (
-        f"{config.num_heads} attention heads, {config.num_kv_heads} KV heads, "
-        f"{config.intermediate_size} MLP columns"
+        f"{config.num_heads} attention heads, {config.num_kv_heads} KV heads, {config.intermediate_size} MLP columns"
     )
     sizes = ", ".join(map(str, fitting_sizes(config)))
     raise UserError(
@@ -192,7 +191,9 @@ def check_shard(config: ModelConfig, plan: ShardPlan, weights: dict[str, Weight]
         w = weights.get(name)
         want = plan.expected_shape(name, shape)
         if w is None:
-            raise UserError(f"{source}: weight {name} is missing; the checkpoint is incomplete or not this architecture")
+            raise UserError(
+                f"{source}: weight {name} is missing; the checkpoint is incomplete or not this architecture"
+            )
         if tuple(int(x) for x in w.shape) != want:
             raise UserError(
                 f"{source}: weight {name} has shape {list(w.shape)} on rank {plan.rank}, expected {list(want)}; "

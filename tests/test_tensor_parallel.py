@@ -8,13 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from fixtures import write_tiny_gguf, write_tiny_hf_model
+from flashnext.core.cli import app
 from flashnext.core.cli_bench import SHAPES, bench_rows
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
@@ -22,8 +23,6 @@ from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
 from flashnext.core.precision import Int4Weight
 from flashnext.core.sharding import Shard, ShardPlan, check_size, fitting_sizes, shard_loaded
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _same(a, b) -> bool:
@@ -44,7 +43,9 @@ def test_smollm2_splits_three_ways_not_two():
     config = SHAPES["smollm2-135m"]
     assert fitting_sizes(config) == [1, 3]
     check_size(config, 3, "smollm2")
-    with pytest.raises(UserError, match=r"--tensor-parallel 2 does not split the model \(9 attention heads.* work for it: 1, 3"):
+    with pytest.raises(
+        UserError, match=r"--tensor-parallel 2 does not split the model \(9 attention heads.* work for it: 1, 3"
+    ):
         check_size(config, 2, "smollm2")
 
 
@@ -129,18 +130,16 @@ def test_tp3_smollm2_matches_tp1():
 
 def test_refused_before_loading(tiny_llama):
     """4 heads do not split 3 ways: one line, exit 2, no rank started."""
-    res = subprocess.run(
-        [sys.executable, "-m", "flashnext.core.cli", "run", "hi", "--backend", "cpu", "--model", str(tiny_llama)]
-        + ["--tensor-parallel", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    before = psutil.Process().children(recursive=True)
+    res = CliRunner().invoke(
+        app, ["run", "hi", "--backend", "cpu", "--model", str(tiny_llama), "--tensor-parallel", "3"]
     )
-    assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == [
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
         f"error: {tiny_llama}: --tensor-parallel 3 does not split the model (4 attention heads, 2 KV heads, "
         "128 MLP columns) evenly; sizes that work for it: 1, 2, 4"
     ]
+    assert psutil.Process().children(recursive=True) == before
 
 
 _FOREVER = """
@@ -169,6 +168,7 @@ def _start_forever(tmp_path, model) -> tuple[subprocess.Popen, psutil.Process]:
     return proc, rank1[0]
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_run_with_one_line(tiny_llama, tmp_path):
     proc, rank1 = _start_forever(tmp_path, tiny_llama)
     try:
@@ -180,6 +180,7 @@ def test_killed_rank_ends_the_run_with_one_line(tiny_llama, tmp_path):
     assert err.strip().splitlines() == ["error: tensor-parallel rank 1 died (SIGKILL); the group is stopped"]
 
 
+@pytest.mark.slow
 def test_ranks_leave_when_rank0_dies(tiny_llama, tmp_path):
     proc, rank1 = _start_forever(tmp_path, tiny_llama)
     try:

@@ -27,9 +27,7 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(
-        self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile, parallel=None
-    ):
+    def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile, parallel=None):
         self.backend, self.config = backend, loaded.config
         self.parallel = parallel  # a TensorParallel (core/parallel.py) when loaded holds one rank's shard
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
