@@ -38,8 +38,9 @@ from .loaded_model import LoadedModel
 from .profile import Profile
 from .sharding import Shard, ShardPlan, check_size, shard_loaded
 
-# A collective that waits longer than this on a rank that stopped answering fails instead of hanging.
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# A collective of the forward pass that waits longer than this on a rank that stopped answering fails instead of
+# hanging (first steps include kernel compiles and graph captures, which ranks do at their own pace).
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # Ranks past 0 wait this long for the next step: an idle server sends none (a dead rank 0 closes the sockets,
 # which ends the wait at once).
 IDLE_TIMEOUT = timedelta(days=7)
@@ -229,6 +230,7 @@ class TensorParallel:
         if not isinstance(model, DecoderModel):
             raise UserError(f"{type(model).__name__} does not split across ranks; drop --tensor-parallel")
         model.parallel = self
+        dist.barrier(group=self.control)  # ranks load at their own pace: the forward's collectives start together
 
     def agreed_blocks(self, num_blocks: int) -> int:
         """The KV blocks every rank can hold: rank 0's block manager hands out block ids all ranks index."""
