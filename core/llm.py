@@ -78,7 +78,9 @@ class LLM:
         call = dict(profile_overrides, model=model, backend=entry.name, precision=precision, profile=profile)
         self.parallel = parallel.start(entry.backend, model, settings, call | {"threads": self.threads.threads})
         if self.parallel:
-            with progress.stage(f"loading rank {self.parallel.rank}'s shard") as advance:
+            if not self.parallel.leader:
+                progress.silence()  # rank 0 reports for the group
+            with progress.stage(f"loading model (rank 0 of {self.parallel.size}: its shard)") as advance:
                 self.loaded = parallel.load_shard(self.parallel, model)
                 advance(self.loaded.name)
         else:

@@ -45,11 +45,6 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 # which ends the wait at once).
 IDLE_TIMEOUT = timedelta(days=7)
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_SPAWNED = "FLASHNEXT_TP_SPAWNED"  # set in the ranks flashnext starts itself
-
-
-def launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in _TORCHRUN_ENV) and _SPAWNED not in os.environ
 
 
 def start(backend, model, settings: Profile, call: dict) -> TensorParallel | None:
@@ -113,9 +108,9 @@ def _refuse_what_does_not_split(backend, settings: Profile) -> None:
 def _config_of(model) -> tuple[ModelConfig, str]:
     if isinstance(model, LoadedModel):
         return model.config, model.source
-    from .loader import model_config
+    from .loader import default_model_path, model_config
 
-    return model_config(model), str(model) if model else "the default model"
+    return model_config(model), str(model) if model else str(default_model_path())
 
 
 def load_shard(tp: TensorParallel, model) -> LoadedModel:
@@ -145,7 +140,6 @@ def _worker(index: int, size: int, port: int, call: dict) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
-    os.environ[_SPAWNED] = "1"
     parent = os.getppid()
 
     def exit_with_parent():  # rank 0 killed outright sends nothing: leave rather than wait out a timeout
