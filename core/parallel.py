@@ -141,6 +141,7 @@ def _worker(index: int, size: int, port: int, call: dict) -> None:
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 ends the others
 
     def exit_with_parent():  # rank 0 killed outright sends nothing: leave rather than wait out a timeout
         while os.getppid() == parent:
@@ -296,16 +297,20 @@ class TensorParallel:
         if self._stopping:
             return
         self._stopping = True
-        sender = threading.Thread(target=lambda: self._broadcast(None), daemon=True)
+        sender = threading.Thread(target=self._send_stop, daemon=True)
         sender.start()
-        sender.join(5)
+        sender.join(3)
         if self.workers is not None:
-            wait([p.sentinel for p in self.workers.processes], timeout=10)
+            wait([p.sentinel for p in self.workers.processes], timeout=3)
             for p in self.workers.processes:
                 if p.is_alive():
                     p.kill()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+    def _send_stop(self) -> None:
+        with contextlib.suppress(Exception):  # a rank already gone has nothing to be told
+            self._broadcast(None)
 
     def explain_failure(self, wait_s: float = 5.0) -> None:
         """Called when something failed here: if a rank this process started died, its failure is the news (the
