@@ -115,7 +115,8 @@ def _read(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelCo
                 flat[name] = f.get_tensor(name)
             elif plan.keeps(base):
                 flat[name] = _read_slice(f, name, plan.slice_of(base), int(groups.get(base, 1)), part)
-        groups = {name: group for name, group in groups.items() if any(k.startswith(name + "#") for k in flat)}
+        if plan is not None:  # the int4 weights of layers left unread (MTP modules)
+            groups = {name: group for name, group in groups.items() if plan.keeps(name)}
     weights: dict = {}
     for name, tensor in flat.items():
         if "#int4." not in name:
