@@ -2,6 +2,7 @@
 and 3 generate TP = 1's greedy tokens through the engine's batching, chunking, prefix caching and drafting, sizes
 that do not split a model are refused before loading, and a rank that dies ends the group with one line."""
 
+import json
 import os
 import signal
 import subprocess
@@ -191,3 +192,14 @@ def test_ranks_leave_when_rank0_dies(tiny_llama, tmp_path):
         proc.kill()
         if rank1.is_running():
             rank1.kill()
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_join_its_group(tiny_llama):
+    """Under torchrun every process runs the command; rank 0 alone prints, with one device's tokens."""
+    command = ["run", "hello there", "--backend", "cpu", "--model", str(tiny_llama), "--max-tokens", "8", "--json"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "flashnext.core.cli"]
+    res = subprocess.run(launcher + command + ["--tensor-parallel", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    one = CliRunner().invoke(app, command).output  # the progress lines, then the JSON
+    assert json.loads(res.stdout)["token_ids"] == json.loads(one[one.index("{") :])["token_ids"]
