@@ -161,7 +161,7 @@ class TensorParallel:
     def __init__(self, rank: int, size: int, plan: ShardPlan, comm: str, workers=None):
         self.rank, self.size, self.plan, self.comm = rank, size, plan, comm
         self.vocab_size = plan.config.vocab_size
-        self.vocab_start, self.vocab_stop = plan.vocab_range
+        self.vocab_start = plan.vocab_range[0]
         self.workers = workers  # ranks 1..size-1 when this process started them
         self.control = None  # gloo group of the step plans
         self._sent: dict[int, tuple[Sequence, int]] = {}  # rank 0: sequences by id, tokens sent so far

@@ -205,3 +205,27 @@ def test_torchrun_ranks_join_its_group(tiny_llama):
     assert res.returncode == 0, res.stderr[-2000:]
     one = CliRunner().invoke(app, command).output  # the progress lines, then the JSON
     assert json.loads(res.stdout)["token_ids"] == json.loads(one[one.index("{") :])["token_ids"]
+
+
+def test_what_cannot_run_split_is_refused_first(tiny_llama, monkeypatch):
+    from flashnext.core.parallel import start
+    from flashnext.core.profile import Profile
+    from flashnext.plugins.cpu import CpuBackend
+
+    class OwnFormat(CpuBackend):
+        def load_model(self, spec):
+            raise AssertionError("refused before loading")
+
+    cpu, model = CpuBackend(), str(tiny_llama)
+    with pytest.raises(UserError, match="--spec mtp does not run tensor-parallel"):
+        start(cpu, model, Profile(tensor_parallel=2, spec="mtp"), {})
+    with pytest.raises(UserError, match="runs its own model format"):
+        start(OwnFormat(), model, Profile(tensor_parallel=2), {})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(UserError, match="torchrun started 4 processes but --tensor-parallel is 1"):
+        start(cpu, model, Profile(), {})
+    with pytest.raises(UserError, match=r"--tensor-parallel 2 but torchrun started 4 processes"):
+        start(cpu, model, Profile(tensor_parallel=2), {})
