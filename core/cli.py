@@ -24,6 +24,9 @@ from .errors import FlashnextError
 from .threads import HELP as THREADS_HELP
 from .threads import threads_text
 
+TENSOR_PARALLEL_HELP = (
+    "Split the model across N ranks (env FLASHNEXT_TENSOR_PARALLEL); flashnext starts them, or joins torchrun's."
+)
 WARM_UP_HELP = "Do the one-time work (weight expansion, graph captures) before the first request; timed as warm_up_s."
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run LLMs fast on whatever accelerator is here.")
@@ -170,6 +173,7 @@ def run(
     ] = False,
     threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
     warm_up: Annotated[bool, typer.Option(help=WARM_UP_HELP)] = True,
+    tensor_parallel: Annotated[int | None, typer.Option(min=1, help=TENSOR_PARALLEL_HELP)] = None,
 ):
     """Generate a completion for PROMPT."""
     from . import progress
@@ -189,6 +193,7 @@ def run(
             kv_cache_dtype=kv_cache_dtype,
             threads=threads,
             strict_clocks=strict_clocks or None,
+            tensor_parallel=tensor_parallel,
         )
         if warm_up:
             llm.warm_up()
@@ -292,11 +297,14 @@ def bench(
         typer.Option("--json", help="Write the results here (a JSON list, rewritten after each configuration)."),
     ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
+    tensor_parallel: Annotated[int | None, typer.Option(min=1, help=TENSOR_PARALLEL_HELP)] = None,
 ):
     """Measure TTFT, decode tok/s and throughput for each batch size."""
     from .cli_bench import run_bench
 
-    run_bench(backend, model, shape, batch_sizes, prompt_len, gen_len, precision, profile, json_path, threads)
+    run_bench(
+        backend, model, shape, batch_sizes, prompt_len, gen_len, precision, profile, json_path, threads, tensor_parallel
+    )
 
 
 # Commands kept in modules of their own; such a module imports only typer and the standard library at its top

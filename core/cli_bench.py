@@ -177,7 +177,7 @@ def _flashnext_version() -> str:
 
 
 def bench_rows(
-    loaded: LoadedModel,
+    loaded: LoadedModel | str | None,
     backend: str,
     precision: str | None,
     profile: str | None,
@@ -202,7 +202,7 @@ def bench_rows(
     rows = []
     with progress.stage("bench", total=len(batch_sizes)) as advance:
         for b in batch_sizes:
-            rows.append(_bench_row(llm, loaded, b, prompt_len, gen_len))
+            rows.append(_bench_row(llm, b, prompt_len, gen_len))
             if on_row:
                 on_row(rows[-1])
             r = rows[-1]
@@ -210,10 +210,11 @@ def bench_rows(
                 f"batch {b}: ttft {r['ttft_s']:.3f} s, decode {r['decode_tok_s']:.1f} tok/s, "
                 f"throughput {r['throughput_tok_s']:.1f} tok/s"
             )
+    llm.close()
     return rows
 
 
-def _bench_row(llm: LLM, loaded: LoadedModel, b: int, prompt_len: int, gen_len: int) -> dict:
+def _bench_row(llm: LLM, b: int, prompt_len: int, gen_len: int) -> dict:
     backend = llm.engine.backend
     time_generation(llm, b, prompt_len, min(gen_len, 24), seed=1000 + b)  # compile, capture, fill caches
     backend.synchronize()
@@ -223,10 +224,11 @@ def _bench_row(llm: LLM, loaded: LoadedModel, b: int, prompt_len: int, gen_len: 
     return {
         "machine": machine_name(backend),
         "backend": llm.info.backend,
-        "shape": loaded.name,
+        "shape": llm.info.model,
         "precision": llm.engine.precision.name,
         "profile": llm.profile.name,
         "cuda_graphs": llm.profile.cuda_graphs,
+        "tensor_parallel": llm.profile.tensor_parallel,
         "batch_size": b,
         "prompt_len": prompt_len,
         "gen_len": gen_len,
@@ -275,6 +277,7 @@ def run_bench(
     profile: str | None,
     json_path: Path | None,
     threads: int | None,
+    tensor_parallel: int | None = None,
 ) -> None:
     """`flashnext bench`: the table on stdout, and --json rewritten after every configuration, so a run cut short
     still leaves valid JSON with the rows measured so far."""
@@ -295,9 +298,12 @@ def run_bench(
 
     apply_setting(threads)  # before the random weights are drawn, which take a while on a busy machine
     with progress.shown():
-        with progress.stage("building random weights" if shape else "loading model") as advance:
-            loaded = load_bench_model(model, shape)
-            advance(loaded.name)
+        if shape or (tensor_parallel or 1) == 1:
+            with progress.stage("building random weights" if shape else "loading model") as advance:
+                loaded = load_bench_model(model, shape)
+                advance(loaded.name)
+        else:  # each rank reads its own shard of the checkpoint
+            loaded = model
         bench_rows(
             loaded,
             backend,
@@ -308,6 +314,7 @@ def run_bench(
             gen_len,
             on_row=keep,
             threads=threads,
+            tensor_parallel=tensor_parallel,
         )
     # Fits 80 columns (a log, a pipe) without cutting a word: "total" is throughput_tok_s.
     table = Table(

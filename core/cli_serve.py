@@ -50,6 +50,10 @@ def serve(
             min=0.001, envvar="FLASHNEXT_MAX_BODY_MIB", help="Largest request body (MiB); larger ones get 413."
         ),
     ] = 8.0,
+    tensor_parallel: Annotated[
+        int | None,
+        typer.Option(min=1, help="Split the model across N ranks (env FLASHNEXT_TENSOR_PARALLEL); docs/parallel.md."),
+    ] = None,
 ):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
@@ -78,6 +82,7 @@ def serve(
             max_model_len=max_model_len,
             threads=threads,
             strict_clocks=strict_clocks or None,
+            tensor_parallel=tensor_parallel,
         )
         llm.warm_up()
     print(

@@ -1,11 +1,12 @@
 """The Python API: `LLM(model=..., backend=...).generate(prompts, params)`; the CLI and server use it too."""
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import progress, registry
+from . import parallel, progress, registry
 from .engine.engine import LLMEngine
 from .engine.sequence import SamplingParams, Sequence
 from .errors import UserError
@@ -41,6 +42,14 @@ def resolve_profile(backend, name: str | None, overrides: dict) -> Profile:
     return profiles[name].overridden(**env_overrides()).overridden(**overrides)
 
 
+def per_rank(choice: ThreadChoice, ranks: int) -> ThreadChoice:
+    """Ranks on one machine share its cores: the automatic choice is divided among them."""
+    if ranks == 1:
+        return choice
+    threads = max(1, choice.threads // ranks)
+    return ThreadChoice(threads, f"{choice.reason}; divided among {ranks} tensor-parallel ranks")
+
+
 def within_context(loaded: LoadedModel, max_model_len: int | None) -> LoadedModel:
     """The model with its context length cut to --max-model-len, so tables sized by it (rope) stay that small."""
     if max_model_len is None or max_model_len >= loaded.config.max_position_embeddings:
@@ -63,13 +72,27 @@ class LLM:
         entry = registry.select(entries, backend)
         settings = resolve_profile(entry.backend, profile, profile_overrides)
         self.threads: ThreadChoice = choose_threads(settings.threads)
+        if settings.threads is None:
+            self.threads = per_rank(self.threads, int(os.environ.get("LOCAL_WORLD_SIZE", settings.tensor_parallel)))
         apply_threads(self.threads)
-        self.loaded = model if isinstance(model, LoadedModel) else self._load(entry.backend, model)
+        call = dict(profile_overrides, model=model, backend=entry.name, precision=precision, profile=profile)
+        self.parallel = parallel.start(entry.backend, model, settings, call | {"threads": self.threads.threads})
+        if self.parallel:
+            if not self.parallel.leader:
+                progress.silence()  # rank 0 reports for the group
+            with progress.stage(f"loading model (rank 0 of {self.parallel.size}: its shard)") as advance:
+                self.loaded = parallel.load_shard(self.parallel, model)
+                advance(self.loaded.name)
+        else:
+            self.loaded = model if isinstance(model, LoadedModel) else self._load(entry.backend, model)
         self.tokenizer = self.loaded.tokenizer
         self.loaded = within_context(self.loaded, settings.max_model_len)
         with progress.stage(f"preparing weights for {entry.name}") as advance:
-            self.engine = LLMEngine(entry.backend, self.loaded, precision, settings)
+            self.engine = LLMEngine(entry.backend, self.loaded, precision, settings, self.parallel)
             advance(self.engine.precision.name)
+        if self.parallel and not self.parallel.leader:
+            self.parallel.follow(self.engine)
+            raise SystemExit(0)  # rank 0 ended the run: this rank's process has served its purpose
         self.info = LoadInfo(entry.name, self.loaded.name, time.perf_counter() - start, entries)
         self._warm_up_s = 0.0
 
@@ -86,6 +109,12 @@ class LLM:
             advance(f"{seconds:.1f} s of one-time work")
         self._warm_up_s += seconds - (self.engine.runner.stats().warm_up_s - runner_before)  # the runner counts its own
         return seconds
+
+    def close(self) -> None:
+        """End the tensor-parallel group (its other ranks exit; this process may start another). Done at exit
+        anyway; nothing to do on one device."""
+        if self.parallel:
+            self.parallel.stop()
 
     @staticmethod
     def _load(backend, model: str | None) -> LoadedModel:

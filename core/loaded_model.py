@@ -66,6 +66,17 @@ def check_model(model: LoadedModel) -> None:
     check_tokenizer_fits(model.config, model.tokenizer, model.source)
 
 
+def sharded_model(config: ModelConfig, plan, weights: dict[str, Weight], tokenizer, source: str, name: str):
+    """One tensor-parallel rank's LoadedModel: its shard checked against the whole model's config, carried with
+    the config its DecoderModel runs (plan.local_config())."""
+    from flashnext.core.sharding import check_shard
+
+    check_config(config, source)
+    check_shard(config, plan, weights, source)
+    check_tokenizer_fits(config, tokenizer, source)
+    return LoadedModel(plan.local_config(), weights, tokenizer, source, name)
+
+
 def check_config(config: ModelConfig, source: str) -> None:
     if config.num_heads % config.num_kv_heads:
         raise UserError(

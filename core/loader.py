@@ -16,10 +16,25 @@ import importlib.util
 import os
 from pathlib import Path
 
+from flashnext.core.config import ModelConfig
 from flashnext.core.errors import UserError
 from flashnext.core.loaded_model import LoadedModel, expected_shapes, shown
-from flashnext.core.loader_gguf import GGUF_ARCHITECTURES, gguf_to_hf_name, llama_unpermute_index, load_gguf
-from flashnext.core.loader_hf import HF_ARCHITECTURES, load_hf_folder, looks_like_hf_id, resolve_hf_id
+from flashnext.core.loader_gguf import (
+    GGUF_ARCHITECTURES,
+    gguf_config,
+    gguf_to_hf_name,
+    llama_unpermute_index,
+    load_gguf,
+    load_gguf_shard,
+)
+from flashnext.core.loader_hf import (
+    HF_ARCHITECTURES,
+    hf_folder_config,
+    load_hf_folder,
+    looks_like_hf_id,
+    resolve_hf_id,
+)
+from flashnext.core.sharding import Shard
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -55,11 +70,29 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(spec: str | os.PathLike | None) -> LoadedModel:
-    """Load from a folder, a .gguf file, an HF id (`org/name`), or None for the embedded default."""
+def load_model(spec: str | os.PathLike | None, shard: Shard | None = None) -> LoadedModel:
+    """Load from a folder, a .gguf file, an HF id (`org/name`), or None for the embedded default; with `shard`,
+    only that tensor-parallel rank's slices of the weights are read."""
+    kind, path = _locate(spec)
+    if shard is not None:
+        model = load_hf_folder(path, shard) if kind == "hf" else load_gguf_shard(path, shard)
+    else:
+        model = load_hf_folder(path) if kind == "hf" else load_gguf(path)
+    if kind == "hf" and looks_like_hf_id(str(spec)) and not Path(str(spec)).expanduser().exists():
+        model.name = str(spec)
+    return model
+
+
+def model_config(spec: str | os.PathLike | None) -> ModelConfig:
+    """The config of the model `spec` names, from its header alone."""
+    kind, path = _locate(spec)
+    return hf_folder_config(path) if kind == "hf" else gguf_config(path)
+
+
+def _locate(spec: str | os.PathLike | None) -> tuple[str, Path]:
+    """("hf", folder) or ("gguf", file) for what the user named."""
     if spec is None or str(spec).strip() == "":
-        path = default_model_path()
-        return load_gguf(path)
+        return "gguf", default_model_path()
     text = str(spec)
     path = Path(text).expanduser()
     try:
@@ -68,19 +101,16 @@ def load_model(spec: str | os.PathLike | None) -> LoadedModel:
         raise UserError(f"{shown(text)}: not a usable path ({exc.strerror}); pass a model folder or file") from None
     if exists:
         if path.is_dir():
-            return _load_folder(path)
+            return _locate_folder(path)
         if not path.is_file():
             raise UserError(f"{path}: not a regular file (a pipe, device or socket); pass a model folder or file")
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-            return load_gguf(path)
+            return "gguf", path
         if path.suffix.lower() == ".safetensors" or path.name == "config.json":
-            return _load_folder(path.parent)
+            return _locate_folder(path.parent)
         raise UserError(f"{path}: not a model; pass a model folder (config.json + *.safetensors) or a .gguf file")
     if looks_like_hf_id(text):
-        folder = resolve_hf_id(text)
-        model = _load_folder(folder)
-        model.name = text
-        return model
+        return _locate_folder(resolve_hf_id(text))
     raise UserError(
         f"{text}: no such file or folder; pass a model folder, a .gguf file or a Hugging Face id like org/name"
     )
@@ -94,12 +124,12 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _load_folder(path: Path) -> LoadedModel:
+def _locate_folder(path: Path) -> tuple[str, Path]:
     if not (path / "config.json").is_file():
         ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
         if len(ggufs) == 1:
-            return load_gguf(ggufs[0])
+            return "gguf", ggufs[0]
         raise UserError(
             f"{path}: no config.json; pass an HF model folder (config.json + *.safetensors) or a .gguf file"
         )
-    return load_hf_folder(path)
+    return "hf", path

@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from flashnext.core import model_cache
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, check_model, shown
+from flashnext.core.loaded_model import LoadedModel, check_model, sharded_model, shown
 from flashnext.core.precision import Weight, int4_from_gguf
+from flashnext.core.sharding import Shard, ShardPlan
 from flashnext.core.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -132,7 +133,42 @@ def load_gguf(path: str | Path) -> LoadedModel:
     return loaded
 
 
+def gguf_config(path: str | Path) -> ModelConfig:
+    """The model's config alone, from the header or its converted copy (a tensor-parallel size is checked
+    against it first)."""
+    entry = model_cache.entry_for(Path(path))
+    return (entry and model_cache.cached_config(entry)) or _open_gguf(Path(path))[2]
+
+
+def load_gguf_shard(path: str | Path, shard: Shard) -> LoadedModel:
+    """One tensor-parallel rank's slices of a GGUF, cut from the memory map before anything is decoded: rows of a
+    quantized tensor are whole blocks, so slicing output rows is exact; input columns are sliced on block
+    boundaries (a size that would cut a block is refused). From the converted-model cache where it holds the
+    file (slices of its safetensors), else from the GGUF itself (no entry is written: that would convert it all)."""
+    path = Path(path)
+    entry = model_cache.entry_for(path)
+    cached = model_cache.load(entry, str(path), shard) if entry else None
+    if cached:
+        config, weights, tokenizer = cached
+        return sharded_model(config, shard.plan(config, str(path)), weights, tokenizer, str(path), path.stem)
+    reader, tokenizer, config = _open_gguf(path)
+    plan = shard.plan(config, str(path))
+    local = plan.local_config()
+    weights = _gguf_weights(reader, path, local, plan)
+    config.rope_scaling = local.rope_scaling  # where rope_freqs.weight told it (plan.config is this object)
+    return sharded_model(config, plan, weights, tokenizer, str(path), path.stem)
+
+
 def _parse_gguf(path: Path) -> LoadedModel:
+    reader, tokenizer, config = _open_gguf(path)
+    weights = _gguf_weights(reader, path, config)
+    model = LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.stem)
+    check_model(model)
+    return model
+
+
+def _open_gguf(path: Path):
+    """(reader over the memory map, tokenizer, config) of a GGUF whose layout was checked first."""
     import gguf
 
     try:
@@ -198,7 +234,13 @@ def _parse_gguf(path: Path) -> LoadedModel:
         raise UserError(
             f"{path}: model value {field} = {err.get('input')!r} is invalid ({err.get('msg')}); use another GGUF"
         ) from None
+    return reader, tokenizer, config
 
+
+def _gguf_weights(reader, path: Path, config: ModelConfig, plan: ShardPlan | None = None) -> dict[str, Weight]:
+    """Every tensor under its HF name (with a plan, this rank's slices; config is then the rank's own, whose
+    head counts un-permute the sliced q/k rows: llama.cpp permutes within each head)."""
+    arch = config.architecture
     weights: dict[str, Weight] = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
@@ -207,8 +249,11 @@ def _parse_gguf(path: Path) -> LoadedModel:
                 f"{path}: tensor {t.name} is {t.tensor_type.name}, not a float or quantized weight type; "
                 "use a GGUF as llama.cpp converts it"
             )
+        if plan is not None and not plan.keeps(name):
+            continue
         try:
-            weights[name] = _gguf_tensor(t)
+            cut = plan.slice_of(name) if plan is not None else None
+            weights[name] = _gguf_tensor(t) if cut is None else _gguf_tensor_slice(t, *cut, path)
         except UserError:
             raise
         except Exception as exc:
@@ -238,23 +283,48 @@ def _parse_gguf(path: Path) -> LoadedModel:
                         k_idx = k_idx if k_idx is not None and k_idx.numel() == rows else llama_unpermute_index(rows, n)
                         idx = k_idx
                     weights[key] = _select_rows(w, idx)
-
-    model = LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=src, name=path.stem)
-    check_model(model)
-    return model
+    return weights
 
 
 def _gguf_tensor(t) -> Weight:
+    shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))  # GGUF lists ne0 (columns) first
+    return _decode(t.data, t.tensor_type, shape)
+
+
+def _gguf_tensor_slice(t, dim: int, start: int, stop: int, path: Path) -> Weight:
+    """Rows or columns [start, stop) of a tensor, cut from the memory-mapped bytes before decoding. The reader
+    shows a quantized (or bf16) tensor as [rows, bytes a row] of whole blocks, a float one as [rows, columns]."""
+    from gguf import GGML_QUANT_SIZES
+
+    shape = [int(x) for x in reversed([int(d) for d in t.shape])]
+    data = t.data
+    if dim == 0:
+        data = data[start:stop]
+    else:
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if data.dtype == np.uint8:
+            if start % block or stop % block:
+                raise UserError(
+                    f"{path}: tensor {t.name} is {t.tensor_type.name} in blocks of {block} columns; a rank's "
+                    f"columns {start}..{stop} would cut a block: use a tensor-parallel size that keeps whole blocks"
+                )
+            data = data[:, start // block * block_bytes : stop // block * block_bytes]
+        else:
+            data = data[:, start:stop]
+    shape[dim] = stop - start
+    return _decode(data, t.tensor_type, tuple(shape))
+
+
+def _decode(data, tensor_type, shape: tuple[int, ...]) -> Weight:
     from gguf import quants
 
-    shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))  # GGUF lists ne0 (columns) first
-    type_name = t.tensor_type.name
+    type_name = tensor_type.name
     if type_name in _FLOAT_TYPES:
-        raw = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy()
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1).copy()
         return torch.from_numpy(raw).view(_FLOAT_TYPES[type_name]).reshape(shape)
     if type_name in ("Q4_0", "Q4_1") and len(shape) == 2:
-        return int4_from_gguf(t.data, type_name, shape)
-    values = quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return int4_from_gguf(np.ascontiguousarray(data), type_name, shape)
+    values = quants.dequantize(np.ascontiguousarray(data), tensor_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
 
 

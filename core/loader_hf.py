@@ -13,8 +13,9 @@ from pydantic import ValidationError
 
 from flashnext.core.config import ModelConfig, RopeScaling
 from flashnext.core.errors import UserError
-from flashnext.core.loaded_model import LoadedModel, check_model, shown
+from flashnext.core.loaded_model import LoadedModel, check_model, sharded_model, shown
 from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_weight
+from flashnext.core.sharding import Shard, ShardPlan, slice_weight
 from flashnext.core.tokenizer import Tokenizer
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -49,11 +50,20 @@ def resolve_hf_id(repo_id: str) -> Path:
         ) from None
 
 
-def load_hf_folder(path: Path) -> LoadedModel:
+def hf_folder_config(path: Path) -> ModelConfig:
+    """The model's config alone (a tensor-parallel size is checked against it before any weight is read)."""
+    return _config_from_hf(path / "config.json")[0]
+
+
+def load_hf_folder(path: Path, shard: Shard | None = None) -> LoadedModel:
+    """The folder's model; with `shard`, one tensor-parallel rank's slices of it, read through safetensors slices."""
     config, raw = _config_from_hf(path / "config.json")
+    plan = shard.plan(config, str(path)) if shard else None
     weights = _fp8_checkpoint_weights(
-        _load_safetensors_weights(path), raw.get("quantization_config"), path / "config.json"
+        _load_safetensors_weights(path, plan), raw.get("quantization_config"), path / "config.json"
     )
+    if plan:
+        weights = _sliced_fp8(weights, plan)
     tokenizer = Tokenizer.from_hf_folder(path)
     if config.bos_token_id is None and tokenizer.bos_token_id is not None:
         config.bos_token_id = tokenizer.bos_token_id
@@ -63,6 +73,8 @@ def load_hf_folder(path: Path) -> LoadedModel:
         tokenizer.eos_token_ids = list(dict.fromkeys(list(config.eos_token_ids) + tokenizer.eos_token_ids))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if plan:
+        return sharded_model(config, plan, weights, tokenizer, str(path), path.name)
     model = LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path), name=path.name)
     check_model(model)
     return model
@@ -268,7 +280,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise UserError(f"{folder}: no model.safetensors (or index); the folder needs the model's weights")
 
 
-def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
+def _load_safetensors_weights(folder: Path, plan: ShardPlan | None = None) -> dict[str, Weight]:
     from safetensors import safe_open
 
     weights: dict[str, Weight] = {}
@@ -277,13 +289,35 @@ def _load_safetensors_weights(folder: Path) -> dict[str, Weight]:
         try:
             with safe_open(str(file), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    weights[name] = fh.get_tensor(name)
+                    if plan is None:
+                        weights[name] = fh.get_tensor(name)
+                    elif plan.keeps(name):
+                        weights[name] = _read_slice(fh, name, plan)
         except UserError:
             raise
         except Exception as exc:
             msg = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
             raise UserError(f"{file}: cannot read safetensors ({msg}); re-download it") from None
     return weights
+
+
+def _read_slice(fh, name: str, plan: ShardPlan) -> torch.Tensor:
+    """Only this rank's rows or columns of a tensor. Float8 weights and their scales are read whole: their
+    Fp8Weight is sliced once built (_sliced_fp8), where its scales' layout is known."""
+    cut = plan.slice_of(name)
+    piece = fh.get_slice(name)
+    if cut is None or piece.get_dtype().startswith("F8"):
+        return fh.get_tensor(name)
+    dim, start, stop = cut
+    return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
+
+def _sliced_fp8(weights: dict[str, Weight], plan: ShardPlan) -> dict[str, Weight]:
+    out = {}
+    for name, w in weights.items():
+        cut = plan.slice_of(name)
+        out[name] = slice_weight(w, *cut, name) if cut and isinstance(w, Fp8Weight) else w
+    return out
 
 
 # Scales an fp8 checkpoint may carry besides its weights' (static activation and KV-cache scales): the engine scales

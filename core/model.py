@@ -27,6 +27,10 @@ class LayerWeights:
 class DecoderModel:
     """Holds converted weights on the device and runs forward passes over flat token batches."""
 
+    # A TensorParallel (core/parallel.py) when the weights are one rank's shards: the engine sets it. The o and
+    # down projections' partial sums are then all-reduced, and the embedding and logits are vocabulary slices.
+    parallel = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -74,7 +78,7 @@ class DecoderModel:
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for every token of the step."""
         k, eps = self.kernels, self.config.rms_norm_eps
-        hidden = k.embedding(input_ids, self.embed)
+        hidden = self.embed_tokens(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
@@ -83,8 +87,17 @@ class DecoderModel:
                 x, residual = k.add_rmsnorm(hidden, residual, layer.input_norm, eps)
             attn = self._attention(layer, x, positions, meta, k_cache, v_cache)
             x, residual = k.add_rmsnorm(attn, residual, layer.post_norm, eps)
-            hidden = k.linear(k.silu_and_mul(k.linear(x, layer.gate_up)), layer.down)
+            hidden = self.reduced(k.linear(k.silu_and_mul(k.linear(x, layer.gate_up)), layer.down))
         return k.add_rmsnorm(hidden, residual, self.norm, eps)[0]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return self.kernels.embedding(input_ids, self.embed)
+        return self.parallel.embedding(self.kernels, input_ids, self.embed)
+
+    def reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: its ranks' partial sums added (itself on one rank)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
     def _attention(self, layer: LayerWeights, x, positions, meta, k_cache, v_cache):
         k, cfg = self.kernels, self.config
@@ -99,10 +112,12 @@ class DecoderModel:
         q, key = k.rope(q, key, positions, self.cos_sin)
         k.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = k.attention(q, k_cache, v_cache, meta, self.scale)
-        return k.linear(out.flatten(1), layer.o)
+        return self.reduced(k.linear(out.flatten(1), layer.o))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32; tensor-parallel, the slices gathered on rank 0 (None on the others)."""
+        logits = self.kernels.linear(hidden, self.lm_head).float()
+        return logits if self.parallel is None else self.parallel.gather_logits(logits)
 
 
 class _WeightTaker:

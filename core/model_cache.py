@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from .config import ModelConfig
+from .errors import UserError
 from .precision import Int4Weight
+from .sharding import Shard
 from .tokenizer import Tokenizer
 
 FORMAT_VERSION = "1"
@@ -71,14 +73,25 @@ def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) 
         tmp.rmdir()
 
 
-def load(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer] | None:
-    """The entry's model, or None when there is none or it is damaged (then it is removed, to be rebuilt)."""
+def load(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelConfig, dict, Tokenizer] | None:
+    """The entry's model (with `shard`, that tensor-parallel rank's slices of its weights, the whole model's
+    config), or None when there is none or it is damaged (then it is removed, to be rebuilt)."""
     if not entry.exists():
         return None
     try:
-        return _read(entry, source)
+        return _read(entry, source, shard)
+    except UserError:  # the entry is fine; the request does not fit the model
+        raise
     except Exception as exc:  # the entry is only a copy of the GGUF: any fault in it means convert again
         discard(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+        return None
+
+
+def cached_config(entry: Path) -> ModelConfig | None:
+    """The entry's config alone, None where there is no readable one."""
+    try:
+        return ModelConfig.model_validate_json((entry / "config.json").read_text())
+    except Exception:  # no entry, or a damaged one: the caller reads the GGUF
         return None
 
 
@@ -90,10 +103,20 @@ def discard(entry: Path, reason: str) -> None:
         entry.unlink(missing_ok=True)
 
 
-def _read(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer]:
+def _read(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
+    config = ModelConfig.model_validate_json((entry / "config.json").read_text())
+    plan = shard.plan(config, source) if shard else None
     with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
         groups = f.metadata() or {}
-        flat = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
+        flat = {}
+        for name in f.keys():  # noqa: SIM118 (a safetensors handle)
+            base, _, part = name.partition("#int4.")
+            if plan is None:
+                flat[name] = f.get_tensor(name)
+            elif plan.keeps(base):
+                flat[name] = _read_slice(f, name, plan.slice_of(base), int(groups.get(base, 1)), part)
+        if plan is not None:  # the int4 weights of layers left unread (MTP modules)
+            groups = {name: group for name, group in groups.items() if plan.keeps(name)}
     weights: dict = {}
     for name, tensor in flat.items():
         if "#int4." not in name:
@@ -105,5 +128,24 @@ def _read(entry: Path, source: str) -> tuple[ModelConfig, dict, Tokenizer]:
     if not isinstance(meta, dict) or set(meta) != _META_KEYS:
         raise ValueError(f"tokenizer_meta.json holds {sorted(meta) if isinstance(meta, dict) else type(meta)}")
     tokenizer = Tokenizer(HFTokenizer.from_str((entry / "tokenizer.json").read_text()), source=source, **meta)
-    config = ModelConfig.model_validate_json((entry / "config.json").read_text())
     return config, weights, tokenizer
+
+
+def _read_slice(f, name: str, cut: tuple[int, int, int] | None, group: int, part: str):
+    """A rank's rows or columns of a stored tensor; an int4 weight's parts hold two columns a byte (packed) or
+    one a group (scales, offsets), so its columns are cut on group boundaries."""
+    if cut is None:
+        return f.get_tensor(name)
+    dim, start, stop = cut
+    piece = f.get_slice(name)
+    if dim == 0:
+        return piece[start:stop]
+    if part:
+        if start % group or stop % group:
+            raise UserError(
+                f"{name.partition('#')[0]}: columns {start}..{stop} of a tensor-parallel rank would cut its int4 "
+                f"groups of {group}; use a tensor-parallel size that keeps whole groups"
+            )
+        per = 2 if part == "packed" else group
+        start, stop = start // per, stop // per
+    return piece[:, start:stop]

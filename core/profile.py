@@ -54,6 +54,11 @@ class Profile(BaseModel):
     # cap (finish_reason "length") and "refuse" rejects the request with the reason.
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_tokens_over_cap: Literal["clamp", "refuse"] = "clamp"
+    # Ranks the model is split across (docs/parallel.md): each holds a shard of every layer and its KV heads.
+    tensor_parallel: int = Field(default=1, ge=1, le=256)
+    # The collectives' transport: auto is torch's default for the backend's device (NCCL on NVIDIA GPUs, gloo on
+    # CPUs); gloo on a GPU runs two ranks on one device (a correctness check: NCCL refuses that).
+    tensor_parallel_comm: Literal["auto", "nccl", "gloo"] = "auto"
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""

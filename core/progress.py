@@ -17,6 +17,11 @@ def shown():
         _state["on"] = False
 
 
+def silence() -> None:
+    """No more stages shown by this process (a tensor-parallel rank past 0: rank 0 reports for the group)."""
+    _state["on"] = False
+
+
 @contextmanager
 def stage(description: str, total: int | None = None):
     """Yields `advance(note)`, to call after each of `total` parts (e.g. bench configurations); the plain line

@@ -27,13 +27,16 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile):
+    def __init__(self, backend: Backend, loaded: LoadedModel, precision: str | None, profile: Profile, parallel=None):
         self.backend, self.config = backend, loaded.config
+        self.parallel = parallel  # a TensorParallel (core/parallel.py) when loaded holds one rank's shard
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self.profile = profile = self._within_capabilities(profile)
         if not backend.capabilities.unified_memory:
             self._refuse_weights_past_free_memory(backend, loaded)
         self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
+        if parallel:
+            parallel.attach(self.model)
         # The model's own config: an exported graph's context may be shorter than the checkpoint's.
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(profile.max_model_len or limit, limit)
@@ -45,6 +48,8 @@ class LLMEngine:
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
             block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         num_blocks = self._num_blocks(block_bytes, self._activation_peak(runner_class))
+        if parallel:
+            num_blocks = parallel.agreed_blocks(num_blocks)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
         setup = RunnerSetup(num_blocks, profile.block_size, self.kv_dtype, frozenset(self.eos_ids))
         self.runner: Runner = runner_class(self.model, setup)
@@ -243,7 +248,15 @@ class LLMEngine:
         return StepOutput(seq, [], True, error=f"{type(exc).__name__}: {exc}"[:500])
 
     def _run_model(self, batch: list[ScheduledSeq]) -> StepResult:
-        return self.runner.step(StepInput(batch, want_hidden=self.profile.spec == "mtp"))
+        want_hidden = self.profile.spec == "mtp"
+        if self.parallel is None:
+            return self.runner.step(StepInput(batch, want_hidden))
+        try:
+            self.parallel.send_step(batch, want_hidden)  # the other ranks run the same step
+            return self.runner.step(StepInput(batch, want_hidden))
+        except Exception:
+            self.parallel.explain_failure()
+            raise
 
     def _finish_step(self, batch: list[ScheduledSeq], result: StepResult) -> list[StepOutput]:
         starts = [item.seq.num_computed for item in batch]  # the runner leaves num_computed to _postprocess

@@ -113,6 +113,8 @@ class ModelRunner(Runner):
         step = self.prepare(inputs.batch)
         hidden = self.forward(step)
         logits = self.model.compute_logits(hidden[step.logit_rows])
+        if logits is None:  # a tensor-parallel rank past the first: rank 0 samples
+            return StepResult(step.logit_rows)
         return StepResult(
             self.model.kernels.sample(logits, step.sampling), logits, hidden if inputs.want_hidden else None
         )

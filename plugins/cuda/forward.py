@@ -31,7 +31,7 @@ def forward_unnormed(
     the kernel after it (the vocabulary projection can take it in its prologue)."""
     cfg, eps = model.config, model.config.rms_norm_eps
     live = live_rows(meta)
-    hidden = kernels.embedding(input_ids, model.embed)
+    hidden = model.embed_tokens(input_ids)  # model.kernels is kernels; tensor-parallel: vocabulary slices
     residual = None
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
         qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
@@ -53,15 +53,31 @@ def forward_unnormed(
             cfg.head_dim,
             feeds=layer.o,
         )
-        out, residual = kernels.linear_into(attn, layer.o, residual, layer.post_norm, layer.gate_up, live=live)
+        out, residual = _row_parallel(model, kernels, attn, layer.o, residual, layer.post_norm, layer.gate_up, live)
         act, residual = kernels.norm_linear(
             out, residual, layer.post_norm, eps, layer.gate_up, silu=True, feeds=layer.down, live=live
         )
         following = model.layers[i + 1] if i + 1 < len(model.layers) else None
-        hidden, residual = kernels.linear_into(
-            act, layer.down, residual, following and following.input_norm, following and following.qkv, live=live
+        hidden, residual = _row_parallel(
+            model,
+            kernels,
+            act,
+            layer.down,
+            residual,
+            following and following.input_norm,
+            following and following.qkv,
+            live,
         )
     return hidden, residual
+
+
+def _row_parallel(model: DecoderModel, kernels: CudaKernels, x, w, residual, norm_w, feeds, live):
+    """kernels.linear_into; where the weights are one tensor-parallel rank's, the partial product is all-reduced
+    first (an NCCL call the decode graphs capture), and the residual add and norm that linear_into may fuse into
+    its epilogue wait for the sum: norm_linear does them after it."""
+    if model.parallel is None:
+        return kernels.linear_into(x, w, residual, norm_w, feeds, live=live)
+    return model.reduced(kernels.linear(x, w, live=live)), residual
 
 
 def forward(
@@ -80,13 +96,18 @@ def forward(
 def logits_of(model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor):
     """16-bit logits of forward_unnormed's output; the final norm rides in the projection's prologue where that is
     the register GEMV, else (16-bit heads) it is a pass of its own before the skinny GEMM or cuBLAS."""
-    return kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
+    logits = kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
+    return logits if model.parallel is None else model.parallel.gather_vocab(logits)
 
 
 def greedy_keys_of(
     model: DecoderModel, kernels: CudaKernels, hidden: torch.Tensor, residual: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """A greedy step's argmax keys (see CudaKernels.greedy_keys) of the logits logits_of would give."""
+    """A greedy step's argmax keys (see CudaKernels.greedy_keys) of the logits logits_of would give; tensor-parallel,
+    the tokens themselves, from each rank's best candidate (decode_advance takes either)."""
+    if model.parallel is not None:
+        local = kernels.norm_linear(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head)[0]
+        return model.parallel.greedy_tokens(local)
     return kernels.greedy_keys(hidden, residual, model.norm, model.config.rms_norm_eps, model.lm_head, keys)
 
 

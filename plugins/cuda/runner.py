@@ -153,6 +153,8 @@ class CudaGraphRunner(ModelRunner):
         # Spec chunks for batches up to spec_max_batch (row-invariant buckets, so their tokens are decode's).
         spec_buckets = [b for b in self.buckets if b <= profile.spec_max_batch]
         self.spec_rows = max(spec_buckets) if self.use_graphs and self.verify_len and spec_buckets else 0
+        if model.parallel is not None:  # the chooser times its rounds: ranks would pick apart; the engine drafts
+            self.spec_rows = 0
         # Two chunks ahead (the one read and the one in flight), decode or spec at their most.
         spec_ahead = 2 * SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
