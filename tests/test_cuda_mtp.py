@@ -13,7 +13,8 @@ pytest.importorskip("triton", reason="triton is a test dependency (pip install t
 
 from flashnext.core.cli_bench import with_mtp_module  # noqa: E402
 from flashnext.core.engine.engine import LLMEngine  # noqa: E402
-from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
+from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
+from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from flashnext.core.metrics import ServerMetrics  # noqa: E402
 from flashnext.plugins.cuda import CudaBackend  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
@@ -40,7 +41,13 @@ def mtp_engine(monkeypatch):
 
     def make(loaded, precision="fp32", **settings):
         backend = CudaBackend() if torch.cuda.is_available() else CpuCuda()
-        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
+        settings = {
+            "max_model_len": 256,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 32,
+            "kv_cache_max_gib": 0.25,
+        } | settings
+        profile = backend.profiles()["full"].overridden(**settings)
         return LLMEngine(backend, loaded, precision, profile)
 
     if not torch.cuda.is_available():
@@ -65,40 +72,44 @@ def generate(engine, prompts, params):
     return [s.output_ids for s in engine.generate(prompts, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("copying", [True, False], ids=["accepting", "rejecting"])
 def test_mtp_in_the_graphs_gives_the_plain_tokens(tiny_random, mtp_engine, copying):
     """Greedy --spec mtp through the CUDA runner (drafts, verify, verdicts and catch-ups in the graph bodies, prompt
-    chunks caught up chunk by chunk) gives --spec none's tokens, with a module whose drafts the target accepts and
-    with a random one whose drafts it rejects."""
+    chunks caught up chunk by chunk) gives --spec none's tokens for a batch, with a module whose drafts the target
+    accepts (every draft position, so the chained steps draft right) and with a random one whose drafts it rejects.
+    Small: the interpreter takes tens of seconds a verify step."""
     loaded = with_mtp_module(tiny_random, copying=copying)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8 if copying else 4, ignore_eos=True)
     want = generate(mtp_engine(loaded, spec="none"), PROMPTS, params)
     engine = mtp_engine(loaded, spec="mtp", spec_tokens=3, spec_adaptive=False, max_num_batched_tokens=16)
     assert generate(engine, PROMPTS, params) == want
     stats, runner = engine.spec_stats(), engine.runner.stats()
     assert runner.spec_path == "graphs" and runner.spec_graph_steps > 0 and stats["drafts"] > 0
     if copying:
-        assert stats["accepted"] > stats["drafted"] / 2  # multi-token verdicts: catch-ups over several rows
+        assert stats["accepted"] > stats["drafted"] / 2 and all(stats["accepted_per_position"])
     else:
         assert stats["accepted"] < stats["drafted"] / 2
 
 
+@pytest.mark.slow
 def test_seeded_mtp_sampling_in_the_graphs_is_plain_sampling(tiny_random, mtp_engine):
     loaded = with_mtp_module(tiny_random, copying=True)
-    params = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=3)
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3)
     want = generate(mtp_engine(loaded, spec="none"), PROMPTS[:1], params)
     engine = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False)
     assert generate(engine, PROMPTS[:1], params) == want
     assert engine.spec_stats()["accepted"] > 0
 
 
+@pytest.mark.slow
 def test_the_device_cache_holds_what_a_from_scratch_run_computes(tiny_random, mtp_engine):
     """After prompt chunks, decode and verify rounds, the module's KV at each kept position, and its first draft,
     equal what the host drafter computes over the whole sequence at once."""
     loaded = with_mtp_module(tiny_random)
     engine = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False, max_num_batched_tokens=8)
     seq = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
-    while len(seq.output_ids) < 8:
+    while len(seq.output_ids) < 6:
         engine.step()
     kept, bs = seq.num_computed, engine.blocks.block_size  # positions 0 .. kept - 1, each with its next token
     fresh = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False, cuda_graphs=False)
@@ -117,13 +128,29 @@ def test_the_device_cache_holds_what_a_from_scratch_run_computes(tiny_random, mt
 
 
 def test_mtp_metrics_name_the_graph_path(tiny_random, mtp_engine):
-    """/metrics reads the runner's stats(): the path speculation ran on and its verify steps in graphs."""
-    engine = mtp_engine(with_mtp_module(tiny_random, copying=True), spec="mtp", spec_tokens=2, spec_adaptive=False)
-    generate(engine, PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True))
+    """/metrics reads the runner's stats(): the method, the path speculation runs on and its verify steps there."""
+    engine = mtp_engine(with_mtp_module(tiny_random), spec="mtp", spec_tokens=2)
+    engine.runner.device_drafter.totals[0] = 5  # verify steps the spec chunks counted
     text = ServerMetrics(engine).render().decode()
     assert 'flashnext_spec_decode_path_info{method="mtp",path="graphs"} 1.0' in text
-    steps = engine.runner.stats().spec_graph_steps
-    assert steps > 0 and f"flashnext_spec_decode_graph_steps_total {float(steps)}" in text
+    assert engine.runner.stats().spec_graph_steps == 5 and "flashnext_spec_decode_graph_steps_total 5.0" in text
+    eager = mtp_engine(with_mtp_module(tiny_random), spec="mtp", spec_tokens=2, cuda_graphs=False)
+    assert 'path="engine"' in ServerMetrics(eager).render().decode()
+
+
+def test_mtp_rows_stop_drafting_while_their_drafts_fail(tiny_random, mtp_engine):
+    """Adaptive mode per request over spec chunks: a row whose drafts keep failing takes none in its next chunks
+    (its verify steps then skip the module's heads and chained steps), and K shrinks first; fixed K never pauses."""
+    for adaptive, limits in ((True, [3, 2, 0]), (False, [3, 3, 3])):
+        engine = mtp_engine(with_mtp_module(tiny_random), spec="mtp", spec_tokens=3, spec_adaptive=adaptive)
+        drafter = engine.runner.device_drafter
+        batch = [ScheduledSeq(Sequence([5, 9, 14], SamplingParams()), 1, 1)]
+        seen = []
+        for _ in range(3):
+            drafter.before_chunk(batch)
+            seen.append(int(drafter.limit[0]))
+            drafter.after_chunk(batch, [[8, 8, 24, 0, 0, 0, 0]])  # 8 verify steps, 24 drafts, none accepted
+        assert seen == limits
 
 
 @pytest.mark.gpu

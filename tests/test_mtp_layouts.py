@@ -87,7 +87,9 @@ def mimo_drafts(loaded, hidden, tokens, k):
     head = loaded.weights.get("lm_head.weight", embed).float()
     states, ids, drafts = hidden, list(tokens[1:]), []
     for _ in range(k):
-        x = torch.cat((rms(states, w["hidden_layernorm.weight"], eps), rms(embed[ids], w["token_layernorm.weight"], eps)), -1)
+        x = torch.cat(
+            (rms(states, w["hidden_layernorm.weight"], eps), rms(embed[ids], w["token_layernorm.weight"], eps)), -1
+        )
         out = rms(qwen2_block(x @ w["input_proj.weight"].T, w, cfg), w["final_layernorm.weight"], eps)
         drafts.append(int((out[-1] @ head.T).argmax()))
         states, ids = torch.cat((hidden, out[-len(drafts) :])), list(tokens[1:]) + drafts

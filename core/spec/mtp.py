@@ -55,16 +55,17 @@ _MTP_MARKS = ("mtp", "nextn", "eh_proj", "shared_head")
 def find_layout(num_layers: int, num_modules: int, weights: dict) -> MtpLayout:
     """The layout of the checkpoint's MTP module; a UserError naming the weights when there is none or it is in a
     layout not read here."""
-    for layout in MTP_LAYOUTS:
-        if f"{layout.module_prefix(num_layers)}{layout.proj}.weight" in weights and num_modules:
-            return layout
-    known = "; ".join(f"{l.name}: {l.module_prefix(num_layers)}{l.proj}.weight" for l in MTP_LAYOUTS)
-    other = next((name for name in weights if any(mark in name for mark in _MTP_MARKS)), None)
-    if other is not None:
-        raise UserError(
-            f"weight '{other}': an MTP module in a layout flashnext does not read (known: {known}); "
-            "use --spec ngram, which needs no extra weights"
-        )
+    known = "; ".join(f"{m.name}: {m.module_prefix(num_layers)}{m.proj}.weight" for m in MTP_LAYOUTS)
+    if num_modules:
+        for layout in MTP_LAYOUTS:
+            if f"{layout.module_prefix(num_layers)}{layout.proj}.weight" in weights:
+                return layout
+        other = next((name for name in weights if any(mark in name for mark in _MTP_MARKS)), None)
+        if other is not None:
+            raise UserError(
+                f"weight '{other}': an MTP module in a layout flashnext does not read (known: {known}); "
+                "use --spec ngram, which needs no extra weights"
+            )
     raise UserError(
         "the model has no MTP module (config num_nextn_predict_layers is 0 or none of the weights"
         f" {known} is there); use --spec ngram, which needs no extra weights"

@@ -197,6 +197,12 @@ class DeviceVerifier:
         drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
         return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
+    def before_chunk(self, batch) -> None:
+        """A spec chunk for `batch` is about to be queued."""
+
+    def after_chunk(self, batch, row_stats) -> None:
+        """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""
+
     def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         """An eager step ran `batch` (its final hidden states and samples)."""
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from flashnext.core.engine.runner import RunnerSetup
 from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
+from flashnext.core.spec.adaptive import AcceptanceTracker
 from flashnext.core.spec.mtp import MtpModule
 
 from .drafting import DeviceVerifier
@@ -41,19 +42,22 @@ def _mtp_plan_kernel(
     ctx_ptr,
     seed_ptr,
     n_draft_ptr,
+    limit_ptr,
+    draft_live_ptr,
     start_ptr,
     state_slot_ptr,
     chain_pos_ptr,
     chain_slot_ptr,
     chain_ctx_ptr,
-    rows,
+    chain_stride,
     hist_stride,
     table_stride,
     K: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """Row j: how many drafts it takes (as the n-gram drafter bounds them), its K + 1 verify inputs (row r feeds
+    """Row j: how many drafts it takes (as the n-gram drafter bounds them, and at most limit[j]: its request's
+    adaptive K, 0 while drafting pauses, when draft_live[j] = 0 skips the heads), its K + 1 verify inputs (row r feeds
     the last token, r = 0, or draft r at position ntok - 1 + r; the drafts are written by the chained steps), the
     slot of its module state at ntok - 2, and the inputs of chained step s (position ntok - 2 + s, live while
     draft s + 1 is wanted). n_draft = -1 marks a row that takes no step."""
@@ -63,8 +67,8 @@ def _mtp_plan_kernel(
     max_pos = tl.load(max_pos_ptr + j)
     table = tables_ptr + j * table_stride
     active = (ntok < cap) & (ntok - 1 <= max_pos) & (ntok > 1)
-    n_draft = tl.maximum(tl.minimum(tl.minimum(cap - ntok - 1, max_pos - ntok + 1), K), 0)
-    n_draft = tl.where(active, n_draft, -1)
+    n_draft = tl.minimum(tl.minimum(cap - ntok - 1, max_pos - ntok + 1), tl.load(limit_ptr + j))
+    n_draft = tl.where(active, tl.maximum(tl.minimum(n_draft, K), 0), -1)
     r = tl.arange(0, Q_BLOCK)
     live = r <= n_draft
     pos = tl.where(live, ntok - 1 + r, 0)
@@ -79,6 +83,7 @@ def _mtp_plan_kernel(
     seed = tl.load(req_seed_ptr + j)  # the noise key of the token drawn at pos + 1, as the decode step's
     tl.store(seed_ptr + row, (seed * 1_000_003 + pos + 1) & ((1 << 62) - 1), mask=q_ok)
     tl.store(n_draft_ptr + j, n_draft.to(tl.int32))
+    tl.store(draft_live_ptr + j, (n_draft > 0).to(tl.int32))
     tl.store(start_ptr + j, ntok)
     state_pos = tl.maximum(ntok - 2, 0)
     state_block = tl.load(table + state_pos // BLOCK_SIZE).to(tl.int64)
@@ -86,9 +91,9 @@ def _mtp_plan_kernel(
     # Chained step s = r + 1 sits at the verify position of row r: its KV slot is that row's.
     chain = r + 1 < n_draft
     c_ok = r < K - 1
-    tl.store(chain_pos_ptr + r * rows + j, tl.where(chain, pos, 0), mask=c_ok)
-    tl.store(chain_slot_ptr + r * rows + j, tl.where(chain, slot, -1), mask=c_ok)
-    tl.store(chain_ctx_ptr + r * rows + j, tl.where(chain, pos + 1, 0).to(tl.int32), mask=c_ok)
+    tl.store(chain_pos_ptr + r * chain_stride + j, tl.where(chain, pos, 0), mask=c_ok)
+    tl.store(chain_slot_ptr + r * chain_stride + j, tl.where(chain, slot, -1), mask=c_ok)
+    tl.store(chain_ctx_ptr + r * chain_stride + j, tl.where(chain, pos + 1, 0).to(tl.int32), mask=c_ok)
 
 
 @triton.jit
@@ -179,9 +184,15 @@ class DeviceMtpDrafter(DeviceVerifier):
     method = "mtp"
     rule = None
 
-    def __init__(self, model: DecoderModel, setup: RunnerSetup, k: int, rows: int, max_context: int):
+    def __init__(self, model: DecoderModel, setup: RunnerSetup, k: int, rows: int, max_context: int, adaptive: bool):
         super().__init__(model.kernels, k)
         cfg, dev = model.config, model.device
+        # Per request, core's adaptive rule over its spec chunks (a chunk counts as one verify step): the drafts a
+        # row may take in the next chunk (limit). Kept for the requests of the latest chunk.
+        self.adaptive, self.trackers = adaptive, {}
+        self.host_limit = torch.zeros(rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.limit = self.host_limit.to(dev)
+        self.draft_live = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.model, self.mtp, self.block_size, self.max_context = model, setup.mtp, setup.block_size, max_context
         shape = (setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.caches = (
@@ -206,6 +217,26 @@ class DeviceMtpDrafter(DeviceVerifier):
         """Device memory a KV block's worth of module states takes (the engine's KV budget counts it)."""
         return block_size * model.config.hidden_size * model.dtype.itemsize
 
+    # --- around a spec chunk ---------------------------------------------------------------------------------
+    def before_chunk(self, batch) -> None:
+        """Each row's drafts for the chunk about to be queued: its request's adaptive K (0 while paused)."""
+        self.trackers = {item.seq.request_id: self._tracker(item.seq) for item in batch}
+        limits = self.host_limit.numpy()
+        for j, item in enumerate(batch):
+            limits[j] = self._tracker(item.seq).drafts_wanted()
+        self.limit[: len(batch)].copy_(self.host_limit[: len(batch)], non_blocking=True)
+
+    def after_chunk(self, batch, row_stats) -> None:
+        """A chunk's counters per row (see _spec_accept_kernel) into its request's acceptance."""
+        for item, (_, _, drafted, accepted, *_) in zip(batch, row_stats):
+            if drafted:
+                self._tracker(item.seq).record(int(drafted), int(accepted))
+
+    def _tracker(self, seq) -> AcceptanceTracker:
+        if seq.request_id not in self.trackers:
+            self.trackers[seq.request_id] = AcceptanceTracker(k=self.k, k_max=self.k, adaptive=self.adaptive)
+        return self.trackers[seq.request_id]
+
     # --- inside a captured verify step ----------------------------------------------------------------------
     def draft(self, state, verify, tables: torch.Tensor, block_size: int) -> None:
         """MTP drafts for every row of `state` (hist, ntok, cap, max_pos, req_seed, n_draft) written as the inputs of
@@ -226,12 +257,14 @@ class DeviceMtpDrafter(DeviceVerifier):
             ctx,
             seeds,
             n_draft,
+            self.limit,
+            self.draft_live,
             self.start,
             self.state_slot,
             self.chain_pos,
             self.chain_slot,
             self.chain_ctx,
-            rows,
+            self.chain_pos.stride(0),
             hist.stride(0),
             tables.stride(0),
             K=k,
@@ -240,12 +273,12 @@ class DeviceMtpDrafter(DeviceVerifier):
         )
         drafts = ids.view(rows, k + 1)
         chained = self.states[self.state_slot[:rows]]
-        token = self._greedy(chained)
+        token = self._greedy(chained, self.draft_live[:rows])
         drafts[:, 1].copy_(token)
         for s in range(1, k):
             meta = self._meta(self.chain_slot[s - 1, :rows], self.chain_ctx[s - 1, :rows], tables)
             chained = self._forward(token, chained, self.chain_pos[s - 1, :rows], meta)
-            token = self._greedy(chained)
+            token = self._greedy(chained, meta.context_lens)
             drafts[:, s + 1].copy_(token)
 
     def after_verify(self, hidden, residual, verify, hist, ntok, tables) -> None:
@@ -310,9 +343,11 @@ class DeviceMtpDrafter(DeviceVerifier):
     def _forward(self, token_ids, prev_state, positions, meta) -> torch.Tensor:
         return mtp_forward(self.model, self.kernels, self.mtp, token_ids, prev_state, positions, meta, self.caches)
 
-    def _greedy(self, chained: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts: a point-mass proposal, which the target's own sampler verifies exactly."""
-        return self.kernels.linear(self.mtp.head_input(self.kernels, chained), self.model.lm_head).argmax(-1)
+    def _greedy(self, chained: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy drafts: a point-mass proposal, which the target's own sampler verifies exactly. Rows not `live`
+        (0) skip the head where it is the register GEMV (one-sequence graphs); their drafts are never verified."""
+        head_in = self.mtp.head_input(self.kernels, chained)
+        return self.kernels.linear(head_in, self.model.lm_head, live=live).argmax(-1)
 
     def _final_normed(self, hidden, residual) -> torch.Tensor:
         """The target's final hidden states (after its last norm), as an eager step hands them over."""

@@ -18,9 +18,9 @@ per sequence (each attending as a decode row of its own, so the numbers are deco
 the drafts up to the first that differs from the target's sample and appends the samples to the history. What
 comes back is a look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters
 stay on the device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec
-chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states,
-so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused
-kernels.
+chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts the same way from the
+checkpoint's module (DeviceMtpDrafter, mtp_graphs.py), which also catches up inside decode steps and after eager
+ones. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
 import math
@@ -171,8 +171,9 @@ class CudaGraphRunner(ModelRunner):
 
     def _device_drafter(self, setup: RunnerSetup) -> DeviceNgramDrafter | DeviceMtpDrafter:
         if self.profile.spec == "mtp":
+            max_context = self.table_width * self.block_size
             return DeviceMtpDrafter(
-                self.model, setup, self.verify_len - 1, self.spec_rows, self.table_width * self.block_size
+                self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile.spec_adaptive
             )
         return DeviceNgramDrafter(self.kernels, self.verify_len - 1)
 
@@ -601,6 +602,7 @@ class CudaGraphRunner(ModelRunner):
 
         hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end], meanwhile=queue_next)
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
+        self.device_drafter.after_chunk(batch, self.host_spec_stats.numpy()[: len(batch)])
         self.device_drafter.totals += stats
         if stats[0]:  # verify steps taken, and the tokens they gave: one each plus the accepted drafts
             step_yield = (stats[0] + stats[3]) / stats[0]
@@ -619,6 +621,7 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
 
     def _last_writable(self, seq: Sequence) -> int:
@@ -654,6 +657,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
         return starts
 
