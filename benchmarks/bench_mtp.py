@@ -27,6 +27,7 @@ from flashnext.core.engine.runner import StepInput
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
+from flashnext.plugins.cuda import CudaBackend
 
 SHAPE, KS, ACCEPTANCES = "qwen3-0.6b", (1, 2, 3), (0.85, 0.90)
 TARGETS = {1: 1.6, 2: 1.9, 3: 2.2}
@@ -77,7 +78,12 @@ def decode_step_us(llm: LLM) -> float:
     runner = llm.engine.runner
     batch = prefilled(llm)
     runner._ensure_graphs(batch, 1, True)
-    return replay_us(runner.graphs[(1, True, "decode")], lambda: runner._fill_inputs(batch, 1))
+
+    def fill():  # the decode body writes its tokens at step_index: REPLAYS from 0
+        runner._fill_inputs(batch, 1)
+        runner.step_index.zero_()
+
+    return replay_us(runner.graphs[(1, True, "decode")], fill)
 
 
 def mtp_round_us(llm: LLM) -> float:
@@ -127,7 +133,8 @@ def main() -> None:
     dev = torch.device("cuda")
     base = random_model(SHAPE, dev)
     models = {"rejecting": with_mtp_module(base), "accepting": with_mtp_module(base, copying=True)}
-    out: dict = {"machine": machine_name(), "shape": SHAPE, "batch": 1, "precision": "bf16", "rounds": {}, "e2e": {}}
+    machine = machine_name(CudaBackend())
+    out: dict = {"machine": machine, "shape": SHAPE, "batch": 1, "precision": "bf16", "rounds": {}, "e2e": {}}
     for name, loaded in models.items():
         none = make_llm(loaded, "none")
         step = decode_step_us(none)
