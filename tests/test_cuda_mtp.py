@@ -107,8 +107,8 @@ def test_the_device_cache_holds_what_a_from_scratch_run_computes(tiny_random, mt
     """After prompt chunks, decode and verify rounds, the module's KV at each kept position, and its first draft,
     equal what the host drafter computes over the whole sequence at once."""
     loaded = with_mtp_module(tiny_random)
-    engine = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False, max_num_batched_tokens=8)
-    seq = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False, max_num_batched_tokens=16)
+    seq = engine.add_request(PROMPTS[0] * 2, SamplingParams(max_tokens=40, ignore_eos=True))  # in two chunks
     while len(seq.output_ids) < 6:
         engine.step()
     kept, bs = seq.num_computed, engine.blocks.block_size  # positions 0 .. kept - 1, each with its next token
