@@ -117,6 +117,33 @@ def random_model_of(cfg: ModelConfig, shape: str, device: torch.device, seed: in
     return LoadedModel(cfg, weights, RandomVocabulary(), f"random:{shape}", shape)
 
 
+def with_mtp_module(loaded: LoadedModel, copying: bool = False, seed: int = 1) -> LoadedModel:
+    """`loaded` plus one DeepSeek-V3 style MTP module of its shape (random, std 0.02, norms 1), for --spec mtp.
+
+    copying: a module that predicts what the target does, so drafts are accepted: the target's layers add nothing
+    to the residual stream (o and down projections zero, computed all the same), so its next token is a function of
+    the current one alone, head(norm(embed(t))); the module reads only its token (eh_proj = [I | 0], its own o and
+    down zero) and its head norm is the target's, so draft i is that function applied i times: the very tokens the
+    target samples greedily, but where re-norming an already-normed state rounds a near-tie the other way."""
+    cfg = loaded.config.model_copy(update={"num_mtp_modules": 1})
+    weights = dict(loaded.weights)
+    ref = weights["model.embed_tokens.weight"]
+    gen = torch.Generator(device=ref.device).manual_seed(seed)
+    h = cfg.hidden_size
+    block = random_model_of(cfg.model_copy(update={"num_layers": 1}), "mtp", ref.device, seed).weights
+    prefix = f"model.layers.{cfg.num_layers}."
+    weights |= {k.replace("model.layers.0.", prefix): v for k, v in block.items() if k.startswith("model.layers.0.")}
+    weights |= {prefix + n: torch.ones(h, dtype=ref.dtype, device=ref.device) for n in ("enorm.weight", "hnorm.weight")}
+    weights[prefix + "shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    weights[prefix + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=gen, device=ref.device) * 0.02).to(ref.dtype)
+    if copying:
+        weights[prefix + "eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1).to(ref)
+        for i in range(cfg.num_layers + 1):
+            for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                weights[f"model.layers.{i}.{name}"] = torch.zeros_like(weights[f"model.layers.{i}.{name}"])
+    return LoadedModel(cfg, weights, loaded.tokenizer, loaded.source + "+mtp", loaded.name)
+
+
 @dataclass
 class Timing:
     ttft_s: float

@@ -18,7 +18,12 @@ from flashnext.core.precision import FP8_DTYPES, Fp8Weight, Weight, fp8_block_we
 from flashnext.core.sharding import Shard, ShardPlan, slice_weight
 from flashnext.core.tokenizer import Tokenizer
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MiMoForCausalLM": "qwen2",  # Xiaomi MiMo: Qwen2 blocks, plus MTP modules at model.mtp_layers (core/spec/mtp.py)
+}
 
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 

@@ -48,6 +48,13 @@ class EngineCollector:
         for position, count in enumerate(spec["accepted_per_position"]):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+        if engine.profile.spec != "none":
+            yield InfoMetricFamily(
+                "flashnext_spec_decode_path",
+                "Speculative decoding's method and where it drafts and verifies (graphs: inside captured steps)",
+                value={"method": engine.profile.spec, "path": spec_path(runner)},
+            )
+        yield _counter("spec_decode_graph_steps", "Verify steps run inside captured graphs", runner.spec_graph_steps)
         yield GaugeMetricFamily(
             "flashnext_requests_running", "Requests in the running batch", value=len(scheduler.running)
         )
@@ -59,6 +66,11 @@ class EngineCollector:
             "flashnext_kv_cache_usage_ratio", "Fraction of KV blocks held by requests", value=used / blocks.num_blocks
         )
         yield from device_metrics(engine.backend.device_telemetry())
+
+
+def spec_path(stats) -> str:
+    """Where speculation runs, from a runner's stats(): inside its steps (their name for it) or the engine's."""
+    return stats.spec_path or "engine"
 
 
 def device_metrics(telemetry: dict):

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, NotReady, Overloaded, RequestFailed, RequestStream
 from .engine.sequence import SamplingParams
 from .errors import FlashnextError, UserError
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, spec_path
 
 log = logging.getLogger("flashnext.serve")
 
@@ -429,9 +429,23 @@ class Server:
                 "block_size": blocks.block_size,
             },
             "requests": {"running": len(scheduler.running), "waiting": len(scheduler.waiting)},
+            "spec": self._spec_health(),
             "device": self.engine.backend.device_telemetry(),
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    def _spec_health(self) -> dict:
+        """Speculative decoding's method, where it runs (metrics.spec_path) and its drafts so far."""
+        engine, stats = self.engine, self.engine.spec_stats()
+        drafted = stats["drafted"]
+        return {
+            "method": engine.profile.spec,
+            "path": spec_path(engine.runner.stats()) if engine.profile.spec != "none" else None,
+            "drafts": stats["drafts"],
+            "drafted": drafted,
+            "accepted": stats["accepted"],
+            "acceptance_rate": round(stats["accepted"] / drafted, 4) if drafted else None,
+        }
 
 
 class Generation:

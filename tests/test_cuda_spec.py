@@ -120,11 +120,13 @@ def test_a_spec_chunk_ends_a_sequence_at_its_stop_token_on_the_device(tiny_rando
     assert chunk(stop_token_ids=[stop])[0] == stopped
 
 
-def test_the_runner_drafts_by_itself_only_with_graphs_and_ngram(tiny_random):
+def test_the_runner_drafts_by_itself_only_with_graphs(tiny_random):
     runner = _tiny_runner(tiny_random)
-    assert runner.device_drafter and runner.device_drafter.stats().drafts == 0
+    assert runner.device_drafter.method == "ngram" and runner.device_drafter.stats().drafts == 0
     mtp = _tiny_runner(tiny_random, profile=NGRAM.overridden(spec="mtp"))
-    assert not mtp.use_graphs and mtp.device_drafter is None  # MTP drafts from hidden states: eager, engine drafts
+    assert mtp.use_graphs and mtp.device_drafter.method == "mtp"  # the module drafts inside the graphs
+    eager = _tiny_runner(tiny_random, profile=NGRAM.overridden(spec="mtp", cuda_graphs=False))
+    assert eager.device_drafter is None  # the engine drafts, from each step's hidden states
 
 
 def test_lookahead_chunks_stay_within_owned_blocks_and_max_tokens(tiny_random):

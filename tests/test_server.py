@@ -291,6 +291,10 @@ def test_profile_header_turns_spec_decoding_off_per_request(tiny):
         assert 'flashnext_spec_decode_accepted_tokens_per_pos_total{position="0"}' in text
         drafted = metric(c, "flashnext_spec_decode_draft_tokens_total")
         assert drafted >= metric(c, "flashnext_spec_decode_accepted_tokens_total") and drafted > 0
+        assert 'flashnext_spec_decode_path_info{method="ngram",path="engine"} 1.0' in text
+        spec = c.get("/health").json()["spec"]  # the engine drafts between steps on the CPU
+        assert spec["method"] == "ngram" and spec["path"] == "engine" and spec["drafted"] == drafted
+        assert spec["acceptance_rate"] == round(spec["accepted"] / drafted, 4)
 
 
 def test_engine_failure_is_an_error_not_a_hang(tiny):

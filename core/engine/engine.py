@@ -9,7 +9,7 @@ from ..model import prefill_token_bytes, weight_bytes
 from ..precision import PRECISIONS
 from ..profile import MIN_BATCHED_TOKENS, Profile
 from ..spec.decoder import SpecDecoder, SpecStats
-from ..spec.mtp import MtpDrafter
+from ..spec.mtp import MtpDrafter, MtpModule
 from .block_manager import BlockManager
 from .runner import Runner, RunnerSetup, StepInput, StepResult
 from .scheduler import ScheduledSeq, Scheduler
@@ -43,6 +43,7 @@ class LLMEngine:
         self.kv_dtype = (
             self.model.dtype if profile.kv_cache_dtype == "auto" else PRECISIONS[profile.kv_cache_dtype].storage_dtype
         )
+        self.mtp = MtpModule(self.model, loaded.weights) if profile.spec == "mtp" else None
         runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
@@ -51,7 +52,7 @@ class LLMEngine:
         if parallel:
             num_blocks = parallel.agreed_blocks(num_blocks)
         self.eos_ids = set(loaded.config.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
-        setup = RunnerSetup(num_blocks, profile.block_size, self.kv_dtype, frozenset(self.eos_ids))
+        setup = RunnerSetup(num_blocks, profile.block_size, self.kv_dtype, frozenset(self.eos_ids), self.mtp)
         self.runner: Runner = runner_class(self.model, setup)
         self.blocks = BlockManager(num_blocks, profile.block_size, profile.prefix_caching)
         self.scheduler = Scheduler(self.blocks, profile.max_num_seqs, profile.max_num_batched_tokens)
@@ -60,8 +61,7 @@ class LLMEngine:
             if profile.spec == "none"
             else SpecDecoder(
                 profile,
-                self.model,
-                loaded.weights,
+                self.mtp,
                 self.blocks,
                 self.kv_dtype,
                 self.max_model_len,
@@ -147,7 +147,8 @@ class LLMEngine:
         def warm_up():  # its one-prompt cache counts in the peak too: a slightly conservative budget
             seq = Sequence([i % self.config.vocab_size for i in range(tokens)], SamplingParams(max_tokens=1))
             seq.block_table = list(range(blocks))
-            runner = runner_class(self.model, RunnerSetup(blocks, self.profile.block_size, self.kv_dtype))
+            setup = RunnerSetup(blocks, self.profile.block_size, self.kv_dtype, mtp=self.mtp)
+            runner = runner_class(self.model, setup)
             runner.step(StepInput([ScheduledSeq(seq, tokens, 1)]))
 
         return self.backend.peak_memory_bytes(warm_up) or 0

@@ -9,6 +9,7 @@ tokens_left, spec_enabled) and never writes them.
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from ..model import DecoderModel
 from ..spec.drafter import DeviceDrafter
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..spec.mtp import MtpModule
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class RunnerSetup:
     block_size: int  # tokens a block
     kv_dtype: torch.dtype
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence tokens: a runner running ahead stops there
+    mtp: "MtpModule | None" = None  # the checkpoint's MTP module with --spec mtp, for a runner that drafts itself
 
 
 @dataclass
@@ -52,6 +57,10 @@ class RunnerStats:
     # One-time work done inside steps so far (graph captures, with kernel compiles in their warm-ups): a report of
     # decode speed leaves it out and names it, as it does the load time.
     warm_up_s: float = 0.0
+    # Where speculative decoding drafts and verifies: "graphs" (inside the runner's captured steps, its device
+    # drafter's counters), "" where the engine drafts between steps.
+    spec_path: str = ""
+    spec_graph_steps: int = 0  # verify steps replayed inside captured graphs
 
 
 class Runner(ABC):

@@ -15,11 +15,10 @@ import torch
 from ..engine.block_manager import BlockManager
 from ..engine.scheduler import ScheduledSeq
 from ..engine.sequence import Sequence, Status
-from ..model import DecoderModel
 from ..profile import Profile
 from .adaptive import AcceptanceTracker
 from .drafter import DeviceDrafter, Drafter, DraftRequest
-from .mtp import MtpDrafter
+from .mtp import MtpDrafter, MtpModule
 from .ngram import NgramDrafter
 
 
@@ -62,8 +61,7 @@ class SpecDecoder:
     def __init__(
         self,
         profile: Profile,
-        model: DecoderModel,
-        weights: dict,
+        mtp: MtpModule | None,
         blocks: BlockManager,
         kv_dtype: torch.dtype,
         max_model_len: int,
@@ -72,11 +70,9 @@ class SpecDecoder:
         self.profile, self.blocks, self.max_model_len = profile, blocks, max_model_len
         # A runner that drafts on its device gets no drafts: it fills the engine's look-ahead slots.
         self.device_drafter = device_drafter
-        self.drafter: Drafter = (
-            MtpDrafter(model, weights, blocks.num_blocks, blocks.block_size, kv_dtype)
-            if profile.spec == "mtp"
-            else NgramDrafter()
-        )
+        self.drafter: Drafter | None = None
+        if device_drafter is None:
+            self.drafter = MtpDrafter(mtp, blocks.num_blocks, blocks.block_size, kv_dtype) if mtp else NgramDrafter()
         self.stats = SpecStats()
 
     def counters(self) -> SpecStats:

@@ -55,7 +55,7 @@ class DeviceDrafter(Protocol):
     KV slots and reads the counters here."""
 
     method: str  # the profile `spec` method it implements
-    rule: NgramRule  # the drafting rule its device code follows
+    rule: NgramRule | None  # the n-gram rule its device code follows (None: it drafts otherwise, e.g. MTP)
 
     def stats(self) -> "SpecStats":
         """Its verify steps' counters, counted as the engine's SpecDecoder counts its own."""

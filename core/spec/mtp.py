@@ -1,9 +1,10 @@
-"""DeepSeek-V3 style multi-token prediction (MTP) drafting from the checkpoint's own depth module.
+"""Multi-token prediction (MTP) drafting from the checkpoint's own depth module.
 
-The module at `model.layers.{N}` (N = the target's layer count) maps (hidden state of position p, token p + 1)
-to a prediction of token p + 2: enorm(embed(token)) and hnorm(hidden) are concatenated, projected by eh_proj,
-run through one decoder block, and read out by shared_head.norm and the target's LM head. Chained K times, its own
-output hidden state standing in for the target's, it drafts K tokens.
+The module maps (the target's final hidden state at position p, token p + 1) to a prediction of token p + 2: the
+token's embedding and the hidden state are normed, concatenated, projected back to the hidden size, run through
+one decoder block of the target's architecture, and read out by a norm and the target's LM head. Chained K times,
+its own output standing in for the target's hidden state, it drafts K tokens. Two checkpoint layouts (MtpLayout):
+DeepSeek-V3's and Xiaomi MiMo's; any other is refused by name.
 
 Its attention needs the module's K/V for every earlier position. They live in a paged cache of their own that
 shares the sequences' block tables, so allocation, rollback and preemption need nothing extra: after each target
@@ -12,6 +13,7 @@ draft), and the chained steps write at later positions that the next catch-up ov
 Only the first module is chained (checkpoints with more carry them unused), so its cache is always exact.
 """
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -22,22 +24,92 @@ from ..model import DecoderModel, _WeightTaker
 from .drafter import DraftRequest
 
 
-class MtpDrafter:
-    def __init__(self, model: DecoderModel, weights: dict, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
-        cfg = model.config
-        prefix = f"model.layers.{cfg.num_layers}."
-        if cfg.num_mtp_modules == 0 or prefix + "eh_proj.weight" not in weights:
+@dataclass(frozen=True)
+class MtpLayout:
+    """Where a checkpoint keeps its first MTP module and how it combines its inputs."""
+
+    name: str
+    prefix: str  # {n}: the target's layer count
+    embed_norm: str
+    hidden_norm: str
+    proj: str  # [hidden, 2 * hidden] over the concatenated, normed inputs
+    out_norm: str  # the norm before the LM head
+    hidden_first: bool  # concatenation order: hidden state, then embedding (else embedding first)
+    chains_normed: bool  # the chained state is the normed output (else the block's output, normed for the head)
+
+    def module_prefix(self, num_layers: int) -> str:
+        return self.prefix.format(n=num_layers)
+
+
+DEEPSEEK_V3 = MtpLayout(
+    "DeepSeek-V3", "model.layers.{n}.", "enorm", "hnorm", "eh_proj", "shared_head.norm", False, False
+)
+MIMO = MtpLayout(
+    "MiMo", "model.mtp_layers.0.", "token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm", True, True
+)
+MTP_LAYOUTS = (DEEPSEEK_V3, MIMO)
+# Weight names that mark an MTP module, in a layout above or not.
+_MTP_MARKS = ("mtp", "nextn", "eh_proj", "shared_head")
+
+
+def find_layout(num_layers: int, num_modules: int, weights: dict) -> MtpLayout:
+    """The layout of the checkpoint's MTP module; a UserError naming the weights when there is none or it is in a
+    layout not read here."""
+    known = "; ".join(f"{m.name}: {m.module_prefix(num_layers)}{m.proj}.weight" for m in MTP_LAYOUTS)
+    if num_modules:
+        for layout in MTP_LAYOUTS:
+            if f"{layout.module_prefix(num_layers)}{layout.proj}.weight" in weights:
+                return layout
+        other = next((name for name in weights if any(mark in name for mark in _MTP_MARKS)), None)
+        if other is not None:
             raise UserError(
-                "the model has no MTP module (config num_nextn_predict_layers is 0 or"
-                f" '{prefix}eh_proj.weight' is missing); use --spec ngram, which needs no extra weights"
+                f"weight '{other}': an MTP module in a layout flashnext does not read (known: {known}); "
+                "use --spec ngram, which needs no extra weights"
             )
-        self.model, self.block_size = model, block_size
+    raise UserError(
+        "the model has no MTP module (config num_nextn_predict_layers is 0 or none of the weights"
+        f" {known} is there); use --spec ngram, which needs no extra weights"
+    )
+
+
+class MtpModule:
+    """The checkpoint's first MTP module on the target's device, its projections in the target's precision."""
+
+    def __init__(self, model: DecoderModel, weights: dict):
+        cfg = model.config
+        self.layout = layout = find_layout(cfg.num_layers, cfg.num_mtp_modules, weights)
+        prefix = layout.module_prefix(cfg.num_layers)
         take = _WeightTaker(weights, model.device, model.dtype, model.precision)
-        self.enorm = take.dense(prefix + "enorm.weight")
-        self.hnorm = take.dense(prefix + "hnorm.weight")
-        self.eh_proj = take.linear([prefix + "eh_proj.weight"])
-        self.head_norm = take.dense(prefix + "shared_head.norm.weight")
+        self.model, self.eps = model, cfg.rms_norm_eps
+        self.embed_norm = take.dense(prefix + layout.embed_norm + ".weight")
+        self.hidden_norm = take.dense(prefix + layout.hidden_norm + ".weight")
+        self.proj = take.linear([prefix + layout.proj + ".weight"])
+        self.out_norm = take.dense(prefix + layout.out_norm + ".weight")
         self.block = model._layer(take, prefix)
+
+    def block_input(self, kernels, token_ids: torch.Tensor, prev_state: torch.Tensor) -> torch.Tensor:
+        """The block's input: the projection of the normed embedding and state, in the layout's order."""
+        embedded = kernels.rmsnorm(kernels.embedding(token_ids, self.model.embed), self.embed_norm, self.eps)
+        state = kernels.rmsnorm(prev_state, self.hidden_norm, self.eps)
+        pieces = (state, embedded) if self.layout.hidden_first else (embedded, state)
+        return kernels.linear(torch.cat(pieces, dim=-1), self.proj)
+
+    def chained(self, kernels, out: torch.Tensor) -> torch.Tensor:
+        """The state the block's output hands the next chained step (and the first draft's head)."""
+        return kernels.rmsnorm(out, self.out_norm, self.eps) if self.layout.chains_normed else out
+
+    def head_input(self, kernels, state: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of a chained state."""
+        return state if self.layout.chains_normed else kernels.rmsnorm(state, self.out_norm, self.eps)
+
+
+class MtpDrafter:
+    """Drafting on the host between target steps, from the module's own paged KV cache."""
+
+    def __init__(self, module: MtpModule, num_blocks: int, block_size: int, kv_dtype: torch.dtype):
+        model = module.model
+        cfg = model.config
+        self.module, self.model, self.block_size = module, model, block_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
@@ -79,25 +151,20 @@ class MtpDrafter:
             tokens = self._draft(state)
         return drafts
 
-    def _forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, spans) -> torch.Tensor:
-        """The depth module over query runs (seq, first position, count); returns its hidden states (pre-norm)."""
-        k, m, eps = self.model.kernels, self.model, self.model.config.rms_norm_eps
-        x = torch.cat(
-            (k.rmsnorm(k.embedding(token_ids, m.embed), self.enorm, eps), k.rmsnorm(prev_hidden, self.hnorm, eps)),
-            dim=-1,
-        )
-        h = k.linear(x, self.eh_proj)
+    def _forward(self, token_ids: torch.Tensor, prev_state: torch.Tensor, spans) -> torch.Tensor:
+        """The depth module over query runs (seq, first position, count); returns its chained states."""
+        k, m, mtp, eps = self.model.kernels, self.model, self.module, self.model.config.rms_norm_eps
+        h = mtp.block_input(k, token_ids, prev_state)
         positions, meta = self._metadata(spans)
         attn = m._attention(
-            self.block, k.rmsnorm(h, self.block.input_norm, eps), positions, meta, self.k_cache, self.v_cache
+            mtp.block, k.rmsnorm(h, mtp.block.input_norm, eps), positions, meta, self.k_cache, self.v_cache
         )
-        x, residual = k.add_rmsnorm(attn, h, self.block.post_norm, eps)
-        return k.linear(k.silu_and_mul(k.linear(x, self.block.gate_up)), self.block.down) + residual
+        x, residual = k.add_rmsnorm(attn, h, mtp.block.post_norm, eps)
+        return mtp.chained(k, k.linear(k.silu_and_mul(k.linear(x, mtp.block.gate_up)), mtp.block.down) + residual)
 
     def _draft(self, state: torch.Tensor) -> torch.Tensor:
         """Greedy drafts: a point-mass proposal, which the target's own sampler verifies exactly."""
-        k = self.model.kernels
-        return self.model.compute_logits(k.rmsnorm(state, self.head_norm, self.model.config.rms_norm_eps)).argmax(-1)
+        return self.model.compute_logits(self.module.head_input(self.model.kernels, state)).argmax(-1)
 
     def _metadata(self, spans) -> tuple[torch.Tensor, AttentionMetadata]:
         bs, dev = self.block_size, self.model.device

@@ -41,7 +41,7 @@ class CudaBackend(Backend):
         cuda_graphs=True,  # decode steps replay captured graphs, several per host round trip (runner.py)
         chunked_prefill=True,
         prefix_caching=True,
-        # n-gram: verify steps chained on the device, row-invariant graphs (runner.py); MTP eager
+        # verify steps chained on the device in row-invariant graphs (runner.py), MTP's module too (mtp_graphs.py)
         drafters=("ngram", "mtp"),
         kv_dtypes=FP8_KV + WIDE_KV,  # e5m2 (read as fp8, widened to fp16 for the dots) or e4m3, inside attention
         extra={

@@ -162,16 +162,64 @@ def _spec_accept_kernel(
         tl.store(per_position, tl.load(per_position, mask=r < K, other=0) + (r < take - 1), mask=r < K)
 
 
-class DeviceNgramDrafter:
-    """The spec graphs' drafter: NgramRule's prompt lookup and the engine's acceptance rule, run inside each
-    captured verify step; its counters in the engine's shape."""
-
-    method = "ngram"
-    rule = NGRAM_RULE
+class DeviceVerifier:
+    """What every drafter of the spec graphs shares: the engine's acceptance rule inside each captured verify step,
+    its counters in the engine's shape, and the hooks a drafter with state of its own (MTP) runs after each kind of
+    step; drafting by prompt lookup reads the history alone, so there they do nothing."""
 
     def __init__(self, kernels: CudaKernels, k: int):
         self.kernels, self.k = kernels, k
         self.totals = np.zeros(SPEC_STAT_FIELDS + k, dtype=np.int64)  # see _spec_accept_kernel
+
+    def accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops) -> None:
+        """Drafts up to the first that differs from the target's sample, then the sample, onto the history.
+        sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step;
+        stops: [rows, SPEC_STOP_IDS] each row's stop tokens, -1 padded."""
+        _spec_accept_kernel[(hist.shape[0],)](
+            sampled,
+            ids,
+            hist,
+            ntok,
+            cap,
+            n_draft,
+            stats,
+            stops,
+            hist.stride(0),
+            STAT_FIELDS=SPEC_STAT_FIELDS,
+            K=self.k,
+            Q_BLOCK=_pow2(self.k + 1),
+            CHUNKS=_key_chunks(sampled),
+            STOPS=stops.shape[1],
+            **self.kernels._pdl,
+        )
+
+    def stats(self) -> SpecStats:
+        """drafts counts the verify steps that carried a draft (a step whose history had no n-gram to copy
+        verified none), as the engine's own drafter counts."""
+        drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
+        return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
+
+    def before_chunk(self, batch) -> None:
+        """A spec chunk for `batch` is about to be queued."""
+
+    def after_chunk(self, batch, row_stats) -> None:
+        """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""
+
+    def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        """An eager step ran `batch` (its final hidden states and samples)."""
+
+    def after_decode(self, hidden, residual, ids, positions, meta) -> None:
+        """A captured decode step ran (its last layer's output and residual; ids and positions advanced)."""
+
+    def after_verify(self, hidden, residual, verify, hist, ntok, tables) -> None:
+        """A captured verify step accepted its drafts (`verify`: the step's ids, positions, slots, ctx, seeds)."""
+
+
+class DeviceNgramDrafter(DeviceVerifier):
+    """The spec graphs' n-gram drafter: NgramRule's prompt lookup, run inside each captured verify step."""
+
+    method = "ngram"
+    rule = NGRAM_RULE
 
     def draft(self, state, verify, tables: torch.Tensor, block_size: int) -> None:
         """n-gram drafts for every row of `state` (hist, ntok, cap, max_pos, req_seed, n_draft) written as the
@@ -201,31 +249,3 @@ class DeviceNgramDrafter:
             SCAN=1024,
             **self.kernels._pdl,
         )
-
-    def accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops) -> None:
-        """Drafts up to the first that differs from the target's sample, then the sample, onto the history.
-        sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step;
-        stops: [rows, SPEC_STOP_IDS] each row's stop tokens, -1 padded."""
-        _spec_accept_kernel[(hist.shape[0],)](
-            sampled,
-            ids,
-            hist,
-            ntok,
-            cap,
-            n_draft,
-            stats,
-            stops,
-            hist.stride(0),
-            STAT_FIELDS=SPEC_STAT_FIELDS,
-            K=self.k,
-            Q_BLOCK=_pow2(self.k + 1),
-            CHUNKS=_key_chunks(sampled),
-            STOPS=stops.shape[1],
-            **self.kernels._pdl,
-        )
-
-    def stats(self) -> SpecStats:
-        """drafts counts the verify steps that carried a draft (a step whose history had no n-gram to copy
-        verified none), as the engine's own drafter counts."""
-        drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
-        return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())

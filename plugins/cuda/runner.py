@@ -18,9 +18,9 @@ per sequence (each attending as a decode row of its own, so the numbers are deco
 the drafts up to the first that differs from the target's sample and appends the samples to the history. What
 comes back is a look-ahead like decode's: the tokens plain decoding gives, only sooner. The history and counters
 stay on the device, so the next spec chunk is queued behind the copy of the current one just as decode's is. Spec
-chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts from the step's hidden states,
-so it runs eagerly. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused
-kernels.
+chunks or plain decode chunks, whichever delivered tokens faster lately. MTP drafts the same way from the
+checkpoint's module (DeviceMtpDrafter, mtp_graphs.py), which also catches up inside decode steps and after eager
+ones. Prefill, mixed batches and batches larger than the largest bucket run eagerly on the same fused kernels.
 """
 
 import math
@@ -42,6 +42,7 @@ from flashnext.core.spec.ngram import MIN_NGRAM, lookup
 from .drafting import SPEC_STAT_FIELDS, SPEC_STOP_IDS, DeviceNgramDrafter
 from .forward import forward, forward_unnormed, greedy_keys_of, logits_of
 from .launch import GEMV_MAX_ROWS, LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS, argmax_chunks
+from .mtp_graphs import DeviceMtpDrafter
 
 MAX_DECODE_STEPS = 16
 # Decode attention splits each sequence's context until the step has this many (sequence, kv head, split) programs.
@@ -139,9 +140,8 @@ class CudaGraphRunner(ModelRunner):
         self.decode_steps_run = 0  # device decode steps, look-ahead included
         self.max_decode_steps = MAX_DECODE_STEPS  # 1 turns the look-ahead off (same graphs, one step a round trip)
         profile = self.profile
-        # Graphs hand no hidden states to the host: n-gram drafting needs none, MTP drafting does (stays eager).
-        self.use_graphs = profile.cuda_graphs and profile.spec != "mtp"
-        self.verify_len = 1 + profile.spec_tokens if profile.spec == "ngram" else 0  # query rows a sequence
+        self.use_graphs = profile.cuda_graphs
+        self.verify_len = 1 + profile.spec_tokens if profile.spec != "none" else 0  # query rows a sequence
         self.buckets = graph_buckets(profile.graph_batch_sizes, profile.max_num_seqs)
         self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
         self._ahead: _Lookahead | None = None
@@ -158,7 +158,6 @@ class CudaGraphRunner(ModelRunner):
         # Two chunks ahead (the one read and the one in flight), decode or spec at their most.
         spec_ahead = 2 * SPEC_CHUNK_STEPS * self.verify_len if self.spec_rows else 0
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
-        self.device_drafter = DeviceNgramDrafter(self.kernels, self.verify_len - 1) if self.spec_rows else None
         self.chunk_rates: dict[int, dict[str, float]] = {}  # batch size: kind: tokens per second, smoothed
         self.verify_step_rates: dict[int, float] = {}  # batch size: verify steps a second when spec's rate was set
         self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
@@ -168,6 +167,23 @@ class CudaGraphRunner(ModelRunner):
         self.spec_step_yield = 1.0  # tokens a sequence gained per verify step lately (smoothed): sizes spec chunks
         if self.use_graphs:
             self._init_static(max(self.buckets))
+        if self.spec_rows:
+            self.device_drafter = self._device_drafter(setup)
+
+    def _device_drafter(self, setup: RunnerSetup) -> DeviceNgramDrafter | DeviceMtpDrafter:
+        if self.profile.spec == "mtp":
+            max_context = self.table_width * self.block_size
+            return DeviceMtpDrafter(
+                self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile.spec_adaptive
+            )
+        return DeviceNgramDrafter(self.kernels, self.verify_len - 1)
+
+    @classmethod
+    def kv_bytes_per_block(cls, model, block_size: int, kv_dtype: torch.dtype) -> int:
+        """The target's KV, and with MTP drafting in the graphs the module's state at each slot."""
+        mtp_graphs = cls.profile.spec == "mtp" and cls.profile.cuda_graphs
+        states = DeviceMtpDrafter.state_bytes_per_block(model, block_size) if mtp_graphs else 0
+        return super().kv_bytes_per_block(model, block_size, kv_dtype) + states
 
     def _init_static(self, rows: int) -> None:
         cfg, dev = self.model.config, self.device
@@ -213,7 +229,15 @@ class CudaGraphRunner(ModelRunner):
         return forward(self.model, self.kernels, inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def stats(self) -> RunnerStats:
-        return RunnerStats(self.graph_captures, self.graph_replays, self.graph_memory_bytes, self.warm_up_s)
+        drafter = self.device_drafter
+        return RunnerStats(
+            self.graph_captures,
+            self.graph_replays,
+            self.graph_memory_bytes,
+            self.warm_up_s,
+            spec_path="graphs" if drafter else "",
+            spec_graph_steps=int(drafter.totals[0]) if drafter else 0,
+        )
 
     def step(self, inputs: StepInput) -> StepResult:
         batch = inputs.batch
@@ -234,7 +258,11 @@ class CudaGraphRunner(ModelRunner):
                 return StepResult(self._decode(batch))
         self._close_round(counted=False)
         self._ahead, self._in_flight = None, None
-        return super().step(inputs)
+        if self.device_drafter is None:
+            return super().step(inputs)
+        result = super().step(StepInput(batch, want_hidden=True))  # the drafter catches up from the hidden states
+        self.device_drafter.after_eager(batch, result.hidden, result.sampled)
+        return result
 
     def _decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         self._round = ("decode", time.perf_counter(), self.graph_captures)
@@ -451,6 +479,8 @@ class CudaGraphRunner(ModelRunner):
                 SamplingTensors(temperature, top_k, top_p, seeds, all_greedy=False),
             )
         k.decode_advance(tokens, ids, positions, self.out_tokens, self.step_index)
+        if self.device_drafter:
+            self.device_drafter.after_decode(hidden, residual, ids, positions, meta)
 
     # --- spec chunks: verify steps chained on the device ------------------------------------------------------
     def _spec_possible(self, batch: list[ScheduledSeq]) -> bool:
@@ -506,10 +536,15 @@ class CudaGraphRunner(ModelRunner):
             rates[kind] = old + RATE_SMOOTHING * (rate - old) if old and not faster_decode else rate
             if kind == "spec":  # over the tokens a step gave: verify steps a second, which the text hardly moves
                 self.verify_step_rates[len(ahead.seqs)] = rates["spec"] / self.spec_step_yield
-            elif 0 < rates["spec"] < rates["decode"] and all(seq.spec_enabled for seq in ahead.seqs):
+            elif 0 < rates["spec"] < rates["decode"] and self._estimates_spec(ahead):
                 estimate = self._spec_estimate(ahead)
                 if estimate > SPEC_ESTIMATE_MARGIN * rates["decode"]:
                     rates["spec"] = estimate
+
+    def _estimates_spec(self, ahead: "_Lookahead") -> bool:
+        """Whether a decode round's tokens tell what spec would yield on them: for n-gram drafts, which copy_yield
+        replays (MTP's drafts come from its module: only its own rounds tell)."""
+        return self.device_drafter.method == "ngram" and all(seq.spec_enabled for seq in ahead.seqs)
 
     def _spec_estimate(self, ahead: "_Lookahead") -> float:
         """Tokens a second spec would have given a decode round's tokens: the tokens each verify step would have
@@ -568,6 +603,7 @@ class CudaGraphRunner(ModelRunner):
 
         hist = self._to_host(self.dev_hist[:bucket, :end], self.host_hist[:bucket, :end], meanwhile=queue_next)
         ntok, stats = self.host_spec.numpy()[0], self.host_spec_stats.numpy()[:bucket].sum(axis=0)
+        self.device_drafter.after_chunk(batch, self.host_spec_stats.numpy()[: len(batch)])
         self.device_drafter.totals += stats
         if stats[0]:  # verify steps taken, and the tokens they gave: one each plus the accepted drafts
             step_yield = (stats[0] + stats[3]) / stats[0]
@@ -586,6 +622,7 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
 
     def _last_writable(self, seq: Sequence) -> int:
@@ -621,6 +658,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
         return starts
 
@@ -653,7 +691,8 @@ class CudaGraphRunner(ModelRunner):
             max_query_len=1,
             max_context_len=self.table_width * self.block_size,
         )
-        logits = logits_of(self.model, k, *forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches))
+        hidden, residual = forward_unnormed(self.model, k, ids, positions, meta, self.kv_caches)
+        logits = logits_of(self.model, k, hidden, residual)
         temperature, top_p = self.dev_verify_floats[0, :t], self.dev_verify_floats[1, :t]
         if greedy:  # the argmax's second half rides in spec_accept
             sampled = k.argmax_keys(logits)
@@ -662,3 +701,5 @@ class CudaGraphRunner(ModelRunner):
         self.device_drafter.accept(
             sampled, ids, hist, ntok, cap, n_draft, self.dev_spec_stats[:rows], self.dev_stops[:rows]
         )
+        verify = (ids, positions, slots, context, seeds)
+        self.device_drafter.after_verify(hidden, residual, verify, hist, ntok, self.dev_tables[:rows])

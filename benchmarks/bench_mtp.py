@@ -1,0 +1,188 @@
+"""MTP speculative decoding in the CUDA graphs, batch 1: what a round costs and what it would gain.
+
+    python benchmarks/bench_mtp.py [--json OUT] [--gen-len 256]
+
+Random Qwen3-0.6B-shaped weights (bf16) with one random DeepSeek-V3 style MTP module (with_mtp_module). Measures
+on the GPU, graphs replayed directly (CUDA events around the replays only):
+- a captured decode step of --spec none, and a captured MTP round (drafts + verify + verdict + catch-up) for
+  K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2); the round twice: drafts rejected (the random module)
+  and drafts accepted (the copying module, whose catch-up runs over all K + 1 rows);
+- from those ratios, the per-token acceptance at which a round breaks even with decode steps and the speedup at
+  85% and 90% (tokens a round = 1 + a + ... + a^K for acceptance a at each draft position, chain ending at the
+  first miss);
+- end to end through the engine (adaptive mode on, as shipped): --spec mtp vs --spec none tok/s, with the random
+  module (acceptance ~0: adaptive mode must keep >= 0.9x) and with the copying module (acceptance ~1).
+Prints a short table, writes every number as JSON.
+"""
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from flashnext.core.cli_bench import machine_name, random_model, with_mtp_module
+from flashnext.core.engine.runner import StepInput
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.llm import LLM
+from flashnext.plugins.cuda import CudaBackend
+
+SHAPE, KS, ACCEPTANCES = "qwen3-0.6b", (1, 2, 3), (0.85, 0.90)
+TARGETS = {1: 1.6, 2: 1.9, 3: 2.2}
+PROMPT_LEN, REPLAYS = 64, 8
+
+
+def make_llm(loaded, spec: str, k: int = 1) -> LLM:
+    return LLM(
+        model=loaded,
+        backend="cuda",
+        precision="bf16",
+        profile="full",
+        spec=spec,
+        spec_tokens=k,
+        max_model_len=1024,
+        max_num_seqs=4,
+        kv_cache_max_gib=1.0,
+    )
+
+
+def prefilled(llm: LLM) -> list[ScheduledSeq]:
+    """One sequence with its prompt in the cache (the MTP catch-up too) and room for every replay."""
+    runner, vocab = llm.engine.runner, llm.engine.config.vocab_size
+    seq = Sequence([(7 * i + 3) % vocab for i in range(PROMPT_LEN)], SamplingParams(max_tokens=512, ignore_eos=True))
+    seq.block_table = list(range(-(-1024 // runner.block_size)))
+    result = runner.step(StepInput([ScheduledSeq(seq, PROMPT_LEN, 1)], want_hidden=True))
+    seq.num_computed = PROMPT_LEN
+    seq.token_ids.append(int(result.sampled[0]))
+    return [ScheduledSeq(seq, 1, 1)]
+
+
+def replay_us(graph, fill, rounds: int = 20) -> float:
+    """Median GPU time of one replay: `fill` resets the inputs, then REPLAYS replays between two events."""
+    times = []
+    for _ in range(rounds):
+        fill()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / REPLAYS)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_step_us(llm: LLM) -> float:
+    runner = llm.engine.runner
+    batch = prefilled(llm)
+    runner._ensure_graphs(batch, 1, True)
+
+    def fill():  # the decode body writes its tokens at step_index: REPLAYS from 0
+        runner._fill_inputs(batch, 1)
+        runner.step_index.zero_()
+
+    return replay_us(runner.graphs[(1, True, "decode")], fill)
+
+
+def mtp_round_us(llm: LLM) -> float:
+    runner = llm.engine.runner
+    batch = prefilled(llm)
+    runner._ensure_graphs(batch, 1, True)
+    return replay_us(runner.graphs[(1, True, "spec")], lambda: runner._fill_spec(batch, 1))
+
+
+def tokens_per_round(acceptance: float, k: int) -> float:
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def break_even(cost: float, k: int) -> float | None:
+    """The acceptance at which a round's tokens equal its cost in decode steps (None: not within [0, 1])."""
+    if cost > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_round(mid, k) < cost else (lo, mid)
+    return round(hi, 4)
+
+
+def tok_s(llm: LLM, gen_len: int) -> tuple[float, dict]:
+    """Decode tok/s of one batch-1 request after a warm-up request (graphs captured, kernels compiled)."""
+    vocab = llm.engine.config.vocab_size
+    prompt = [(11 * i + 5) % vocab for i in range(PROMPT_LEN)]
+    params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    llm.engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
+    before = llm.engine.spec_stats()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    [seq] = llm.engine.generate([prompt], params)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    after = llm.engine.spec_stats()
+    spec = {key: after[key] - before[key] for key in ("drafts", "drafted", "accepted")}
+    return len(seq.output_ids) / elapsed, spec | {"tokens": seq.output_ids}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write every number here")
+    parser.add_argument("--gen-len", type=int, default=256)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    base = random_model(SHAPE, dev)
+    models = {"rejecting": with_mtp_module(base), "accepting": with_mtp_module(base, copying=True)}
+    machine = machine_name(CudaBackend())
+    out: dict = {"machine": machine, "shape": SHAPE, "batch": 1, "precision": "bf16", "rounds": {}, "e2e": {}}
+    for name, loaded in models.items():
+        none = make_llm(loaded, "none")
+        step = decode_step_us(none)
+        none_tok_s, none_run = tok_s(none, args.gen_len)
+        del none
+        out["rounds"][name] = {"decode_step_us": round(step, 1)}
+        out["e2e"][name] = {"none_tok_s": round(none_tok_s, 1)}
+        for k in KS:
+            llm = make_llm(loaded, "mtp", k)
+            cost = mtp_round_us(llm) / step
+            rate, run = tok_s(llm, args.gen_len)
+            out["rounds"][name][f"k{k}"] = {"round_over_decode": round(cost, 3), "target": TARGETS[k]}
+            out["e2e"][name][f"k{k}"] = {
+                "mtp_tok_s": round(rate, 1),
+                "mtp_over_none": round(rate / none_tok_s, 3),
+                "lossless": run.pop("tokens") == none_run["tokens"],
+                **run,
+            }
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    for k in KS:
+        cost = out["rounds"]["rejecting"][f"k{k}"]["round_over_decode"]
+        out["rounds"][f"projection_k{k}"] = {
+            "break_even_acceptance": break_even(cost, k),
+            **{f"speedup_at_{a}": round(tokens_per_round(a, k) / cost, 3) for a in ACCEPTANCES},
+        }
+    print_table(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def print_table(out: dict) -> None:
+    rounds, e2e = out["rounds"], out["e2e"]
+    print(f"{out['machine']}  {SHAPE} bf16 batch 1, decode step {rounds['rejecting']['decode_step_us']} us")
+    print(" K  round/decode (target)  accepted-round  break-even  x@85%  x@90%  mtp/none rej  mtp/none acc  lossless")
+    for k in KS:
+        rej, acc, proj = rounds["rejecting"][f"k{k}"], rounds["accepting"][f"k{k}"], rounds[f"projection_k{k}"]
+        e_rej, e_acc = e2e["rejecting"][f"k{k}"], e2e["accepting"][f"k{k}"]
+        print(
+            f" {k}  {rej['round_over_decode']:>5} ({rej['target']})"
+            f"  {acc['round_over_decode']:>14}  {proj['break_even_acceptance']!s:>10}"
+            f"  {proj['speedup_at_0.85']:>5}  {proj['speedup_at_0.9']:>5}"
+            f"  {e_rej['mtp_over_none']:>12}  {e_acc['mtp_over_none']:>12}"
+            f"  {e_rej['lossless'] and e_acc['lossless']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

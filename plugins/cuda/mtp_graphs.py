@@ -1,0 +1,366 @@
+"""MTP drafting inside the CUDA graphs: the checkpoint's MTP module (core/spec/mtp.py) drafts, its catch-up runs
+and its own paged KV cache is written in the captured decode and verify steps, with no host round trip.
+
+A verify step of a spec chunk here: the module's state at the sequence's second-to-last token (position ntok - 2,
+kept per KV slot in `states`) gives draft 1 through the LM head; K - 1 chained steps of the module (positions
+ntok - 1 on) give drafts 2 .. K; the target verifies the K + 1 rows as the n-gram path does and the engine's
+acceptance rule keeps drafts up to the first miss (DeviceVerifier); then the catch-up runs the module over the
+positions the target kept, pairing each verify row's final hidden state with the token accepted after it, which
+overwrites the chained steps' speculative KV and leaves the state at the new ntok - 2 in `states`. A captured
+decode step catches up its one position the same way, and an eager step (prompt chunks, mixed or large batches)
+catches up every position it computed, chunk by chunk. So whichever kind of step ran last, the module's cache and
+state hold what a run over the whole sequence would compute. States are indexed by KV slot, like the caches,
+so a batch that changes between rounds, rollback and preemption need nothing extra.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from flashnext.core.engine.runner import RunnerSetup
+from flashnext.core.kernels import AttentionMetadata
+from flashnext.core.model import DecoderModel
+from flashnext.core.spec.adaptive import AcceptanceTracker
+from flashnext.core.spec.mtp import MtpModule
+
+from .drafting import DeviceVerifier
+from .forward import live_rows
+from .kernels import CudaKernels
+from .primitives import _pow2
+
+
+@triton.jit
+def _mtp_plan_kernel(
+    hist_ptr,
+    ntok_ptr,
+    cap_ptr,
+    max_pos_ptr,
+    tables_ptr,
+    req_seed_ptr,
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    ctx_ptr,
+    seed_ptr,
+    n_draft_ptr,
+    limit_ptr,
+    draft_live_ptr,
+    start_ptr,
+    state_slot_ptr,
+    chain_pos_ptr,
+    chain_slot_ptr,
+    chain_ctx_ptr,
+    chain_stride,
+    hist_stride,
+    table_stride,
+    K: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Row j: how many drafts it takes (as the n-gram drafter bounds them, and at most limit[j]: its request's
+    adaptive K, 0 while drafting pauses, when draft_live[j] = 0 skips the heads), its K + 1 verify inputs (row r feeds
+    the last token, r = 0, or draft r at position ntok - 1 + r; the drafts are written by the chained steps), the
+    slot of its module state at ntok - 2, and the inputs of chained step s (position ntok - 2 + s, live while
+    draft s + 1 is wanted). n_draft = -1 marks a row that takes no step."""
+    j = tl.program_id(0)
+    ntok = tl.load(ntok_ptr + j)
+    cap = tl.load(cap_ptr + j)
+    max_pos = tl.load(max_pos_ptr + j)
+    table = tables_ptr + j * table_stride
+    active = (ntok < cap) & (ntok - 1 <= max_pos) & (ntok > 1)
+    n_draft = tl.minimum(tl.minimum(cap - ntok - 1, max_pos - ntok + 1), tl.load(limit_ptr + j))
+    n_draft = tl.where(active, tl.maximum(tl.minimum(n_draft, K), 0), -1)
+    r = tl.arange(0, Q_BLOCK)
+    live = r <= n_draft
+    pos = tl.where(live, ntok - 1 + r, 0)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    row = j * (K + 1) + r
+    q_ok = r <= K
+    tl.store(ids_ptr + row, tl.load(hist_ptr + j * hist_stride + tl.maximum(ntok - 1, 0)) + r * 0, mask=q_ok)
+    tl.store(pos_ptr + row, pos, mask=q_ok)
+    tl.store(slot_ptr + row, tl.where(live, slot, -1), mask=q_ok)
+    tl.store(ctx_ptr + row, tl.where(live, pos + 1, 0).to(tl.int32), mask=q_ok)
+    seed = tl.load(req_seed_ptr + j)  # the noise key of the token drawn at pos + 1, as the decode step's
+    tl.store(seed_ptr + row, (seed * 1_000_003 + pos + 1) & ((1 << 62) - 1), mask=q_ok)
+    tl.store(n_draft_ptr + j, n_draft.to(tl.int32))
+    tl.store(draft_live_ptr + j, (n_draft > 0).to(tl.int32))
+    tl.store(start_ptr + j, ntok)
+    state_pos = tl.maximum(ntok - 2, 0)
+    state_block = tl.load(table + state_pos // BLOCK_SIZE).to(tl.int64)
+    tl.store(state_slot_ptr + j, tl.where(active, state_block * BLOCK_SIZE + state_pos % BLOCK_SIZE, 0))
+    # Chained step s = r + 1 sits at the verify position of row r: its KV slot is that row's.
+    chain = r + 1 < n_draft
+    c_ok = r < K - 1
+    tl.store(chain_pos_ptr + r * chain_stride + j, tl.where(chain, pos, 0), mask=c_ok)
+    tl.store(chain_slot_ptr + r * chain_stride + j, tl.where(chain, slot, -1), mask=c_ok)
+    tl.store(chain_ctx_ptr + r * chain_stride + j, tl.where(chain, pos + 1, 0).to(tl.int32), mask=c_ok)
+
+
+@triton.jit
+def _mtp_catch_up_kernel(
+    hist_ptr,
+    ntok_ptr,
+    start_ptr,
+    verify_slot_ptr,
+    verify_pos_ptr,
+    ids_ptr,
+    slot_ptr,
+    ctx_ptr,
+    hist_stride,
+    K: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+):
+    """Row j after the verdict: verify row r, at position start - 1 + r, pairs with the token accepted at start + r
+    for each r below the tokens taken (ntok - start); later rows compute nothing."""
+    j = tl.program_id(0)
+    start = tl.load(start_ptr + j)
+    take = tl.load(ntok_ptr + j) - start
+    r = tl.arange(0, Q_BLOCK)
+    row = j * (K + 1) + r
+    q_ok = r <= K
+    live = r < take
+    tok = tl.load(hist_ptr + j * hist_stride + start + r, mask=live & q_ok, other=0)
+    tl.store(ids_ptr + row, tok, mask=q_ok)
+    tl.store(slot_ptr + row, tl.where(live, tl.load(verify_slot_ptr + row, mask=q_ok, other=-1), -1), mask=q_ok)
+    pos = tl.load(verify_pos_ptr + row, mask=q_ok, other=0)
+    tl.store(ctx_ptr + row, tl.where(live, pos + 1, 0).to(tl.int32), mask=q_ok)
+
+
+@triton.jit
+def _store_rows_kernel(src_ptr, slot_ptr, dst_ptr, D, BLOCK: tl.constexpr):
+    """dst[slot[r]] = src[r] for the rows with a slot (>= 0)."""
+    r = tl.program_id(0)
+    slot = tl.load(slot_ptr + r)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK)
+        m = d < D
+        tl.store(dst_ptr + slot * D + d, tl.load(src_ptr + r * D + d, mask=m), mask=m)
+
+
+def mtp_forward(
+    model: DecoderModel,
+    kernels: CudaKernels,
+    mtp: MtpModule,
+    token_ids: torch.Tensor,
+    prev_state: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    caches: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """The module over a flat batch of rows on the fused kernels (its block as forward_unnormed runs a layer; rows
+    whose context length is 0 in a decode-shaped step compute nothing): the chained states, [T, hidden]."""
+    cfg, eps, block = model.config, model.config.rms_norm_eps, mtp.block
+    live = live_rows(meta)
+    h = mtp.block_input(kernels, token_ids, prev_state)
+    qkv, residual = kernels.norm_linear(h, None, block.input_norm, eps, block.qkv, live=live)
+    if block.qkv_bias is not None:
+        qkv = qkv + block.qkv_bias
+    attn = kernels.rope_attention(
+        qkv,
+        block.q_norm,
+        block.k_norm,
+        eps,
+        positions,
+        model.cos_sin,
+        *caches,
+        meta,
+        model.scale,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        feeds=block.o,
+    )
+    out, residual = kernels.linear_into(attn, block.o, residual, block.post_norm, block.gate_up, live=live)
+    act, residual = kernels.norm_linear(
+        out, residual, block.post_norm, eps, block.gate_up, silu=True, feeds=block.down, live=live
+    )
+    hidden, residual = kernels.linear_into(act, block.down, residual, None, None, live=live)
+    return mtp.chained(kernels, hidden + residual)
+
+
+class DeviceMtpDrafter(DeviceVerifier):
+    """The spec graphs' MTP drafter: the module's chained drafts, catch-ups and paged KV cache, on the device."""
+
+    method = "mtp"
+    rule = None
+
+    def __init__(self, model: DecoderModel, setup: RunnerSetup, k: int, rows: int, max_context: int, adaptive: bool):
+        super().__init__(model.kernels, k)
+        cfg, dev = model.config, model.device
+        # Per request, core's adaptive rule over its spec chunks (a chunk counts as one verify step): the drafts a
+        # row may take in the next chunk (limit). Kept for the requests of the latest chunk.
+        self.adaptive, self.trackers = adaptive, {}
+        self.host_limit = torch.zeros(rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.limit = self.host_limit.to(dev)
+        self.draft_live = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.model, self.mtp, self.block_size, self.max_context = model, setup.mtp, setup.block_size, max_context
+        shape = (setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = (
+            torch.zeros(shape, dtype=setup.kv_dtype, device=dev),
+            torch.zeros(shape, dtype=setup.kv_dtype, device=dev),
+        )
+        self.states = torch.zeros(setup.num_blocks * setup.block_size, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.start = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.state_slot = torch.zeros(rows, dtype=torch.int64, device=dev)
+        chain = max(k - 1, 1)
+        self.chain_pos = torch.zeros(chain, rows, dtype=torch.int64, device=dev)
+        self.chain_slot = torch.zeros(chain, rows, dtype=torch.int64, device=dev)
+        self.chain_ctx = torch.zeros(chain, rows, dtype=torch.int32, device=dev)
+        t = rows * (k + 1)
+        self.catch_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.catch_slot = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.catch_ctx = torch.zeros(t, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(t + 1, dtype=torch.int32, device=dev)
+
+    @staticmethod
+    def state_bytes_per_block(model: DecoderModel, block_size: int) -> int:
+        """Device memory a KV block's worth of module states takes (the engine's KV budget counts it)."""
+        return block_size * model.config.hidden_size * model.dtype.itemsize
+
+    # --- around a spec chunk ---------------------------------------------------------------------------------
+    def before_chunk(self, batch) -> None:
+        """Each row's drafts for the chunk about to be queued: its request's adaptive K (0 while paused)."""
+        self.trackers = {item.seq.request_id: self._tracker(item.seq) for item in batch}
+        limits = self.host_limit.numpy()
+        for j, item in enumerate(batch):
+            limits[j] = self._tracker(item.seq).drafts_wanted()
+        self.limit[: len(batch)].copy_(self.host_limit[: len(batch)], non_blocking=True)
+
+    def after_chunk(self, batch, row_stats) -> None:
+        """A chunk's counters per row (see _spec_accept_kernel) into its request's acceptance."""
+        for item, (_, _, drafted, accepted, *_) in zip(batch, row_stats):
+            if drafted:
+                self._tracker(item.seq).record(int(drafted), int(accepted))
+
+    def _tracker(self, seq) -> AcceptanceTracker:
+        if seq.request_id not in self.trackers:
+            self.trackers[seq.request_id] = AcceptanceTracker(k=self.k, k_max=self.k, adaptive=self.adaptive)
+        return self.trackers[seq.request_id]
+
+    # --- inside a captured verify step ----------------------------------------------------------------------
+    def draft(self, state, verify, tables: torch.Tensor, block_size: int) -> None:
+        """MTP drafts for every row of `state` (hist, ntok, cap, max_pos, req_seed, n_draft) written as the inputs of
+        a K + 1-row verify step (`verify`: ids, positions, slots, ctx, seeds)."""
+        hist, ntok, cap, max_pos, req_seed, n_draft = state
+        ids, positions, slots, ctx, seeds = verify
+        rows, k = hist.shape[0], self.k
+        _mtp_plan_kernel[(rows,)](
+            hist,
+            ntok,
+            cap,
+            max_pos,
+            tables,
+            req_seed,
+            ids,
+            positions,
+            slots,
+            ctx,
+            seeds,
+            n_draft,
+            self.limit,
+            self.draft_live,
+            self.start,
+            self.state_slot,
+            self.chain_pos,
+            self.chain_slot,
+            self.chain_ctx,
+            self.chain_pos.stride(0),
+            hist.stride(0),
+            tables.stride(0),
+            K=k,
+            Q_BLOCK=_pow2(k + 1),
+            BLOCK_SIZE=block_size,
+        )
+        drafts = ids.view(rows, k + 1)
+        chained = self.states[self.state_slot[:rows]]
+        token = self._greedy(chained, self.draft_live[:rows])
+        drafts[:, 1].copy_(token)
+        for s in range(1, k):
+            meta = self._meta(self.chain_slot[s - 1, :rows], self.chain_ctx[s - 1, :rows], tables)
+            chained = self._forward(token, chained, self.chain_pos[s - 1, :rows], meta)
+            token = self._greedy(chained, meta.context_lens)
+            drafts[:, s + 1].copy_(token)
+
+    def after_verify(self, hidden, residual, verify, hist, ntok, tables) -> None:
+        ids, positions, slots, ctx, seeds = verify
+        rows, k = hist.shape[0], self.k
+        t = rows * (k + 1)
+        _mtp_catch_up_kernel[(rows,)](
+            hist,
+            ntok,
+            self.start,
+            slots,
+            positions,
+            self.catch_ids,
+            self.catch_slot,
+            self.catch_ctx,
+            hist.stride(0),
+            K=k,
+            Q_BLOCK=_pow2(k + 1),
+        )
+        meta = self._meta(self.catch_slot[:t], self.catch_ctx[:t], tables)
+        self._catch_up(self.catch_ids[:t], self._final_normed(hidden, residual), positions, meta)
+
+    # --- inside a captured decode step, and after an eager one ------------------------------------------------
+    def after_decode(self, hidden, residual, ids, positions, meta) -> None:
+        """ids and positions have advanced: the token sampled pairs with the hidden state of the position before."""
+        self._catch_up(ids, self._final_normed(hidden, residual), positions - 1, meta)
+
+    def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Each sequence's computed positions pair with the tokens after them: the prompt's own, then the token
+        sampled after its last (a prompt chunk's is the next prompt token)."""
+        dev, bs = self.model.device, self.block_size
+        ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+        fills, picks, row = [], [], 0
+        for item in batch:
+            seq, n, start = item.seq, item.num_tokens, item.seq.num_computed
+            known = seq.token_ids[start + 1 : start + n + 1]
+            row += item.num_logits
+            if len(known) < n:  # the prompt is in: the token after its last position is this step's sample
+                fills.append(len(ids) + n - 1)
+                picks.append(row - 1)
+            ids += known + [0] * (n - len(known))
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            query_lens.append(n)
+            context_lens.append(start + n)
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        if fills:
+            token_ids[torch.tensor(fills, device=dev)] = sampled[torch.tensor(picks, device=dev)]
+        tables = [item.seq.block_table for item in batch]
+        meta = AttentionMetadata.from_host(slots, query_lens, context_lens, tables, dev)
+        self._catch_up(token_ids, hidden, torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    # --------------------------------------------------------------------------------------------------------
+    def _catch_up(self, token_ids, hidden, positions, meta: AttentionMetadata) -> None:
+        """The module over positions the target kept; each row's state lands at its KV slot."""
+        out = self._forward(token_ids, hidden, positions, meta)
+        if out.shape[0]:
+            _store_rows_kernel[(out.shape[0],)](
+                out, meta.slot_mapping, self.states, out.shape[1], BLOCK=_pow2(out.shape[1])
+            )
+
+    def _forward(self, token_ids, prev_state, positions, meta) -> torch.Tensor:
+        return mtp_forward(self.model, self.kernels, self.mtp, token_ids, prev_state, positions, meta, self.caches)
+
+    def _greedy(self, chained: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy drafts: a point-mass proposal, which the target's own sampler verifies exactly. Rows not `live`
+        (0) skip the head where it is the register GEMV (one-sequence graphs); their drafts are never verified."""
+        head_in = self.mtp.head_input(self.kernels, chained)
+        return self.kernels.linear(head_in, self.model.lm_head, live=live).argmax(-1)
+
+    def _final_normed(self, hidden, residual) -> torch.Tensor:
+        """The target's final hidden states (after its last norm), as an eager step hands them over."""
+        return self.kernels.add_rmsnorm(hidden, residual, self.model.norm, self.model.config.rms_norm_eps)[0]
+
+    def _meta(self, slots, ctx, tables) -> AttentionMetadata:
+        """A decode-shaped step: each row attends as a decode row of its own (its context ends at its position)."""
+        return AttentionMetadata(
+            slot_mapping=slots,
+            query_start=self.query_start[: slots.shape[0] + 1],
+            context_lens=ctx,
+            block_tables=tables,
+            max_query_len=1,
+            max_context_len=self.max_context,
+        )
