@@ -64,6 +64,8 @@ class LLM:
         settings = resolve_profile(entry.backend, profile, profile_overrides)
         self.threads: ThreadChoice = choose_threads(settings.threads)
         apply_threads(self.threads)
+        if precision is not None:  # a precision the backend refuses is refused before minutes of loading
+            entry.backend.check_request(precision, settings)
         self.loaded = model if isinstance(model, LoadedModel) else self._load(entry.backend, model)
         self.tokenizer = self.loaded.tokenizer
         self.loaded = within_context(self.loaded, settings.max_model_len)

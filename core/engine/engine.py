@@ -31,6 +31,7 @@ class LLMEngine:
         self.backend, self.config = backend, loaded.config
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self.profile = profile = self._within_capabilities(profile)
+        backend.prepare_engine(self.precision, profile)
         if not backend.capabilities.unified_memory:
             self._refuse_weights_past_free_memory(backend, loaded)
         self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
