@@ -747,7 +747,7 @@ def test_engine_precision(backend, conformance, precision, tiny, reference_logit
         "engine precision",
         f"asked for {precision}, the engine runs {engine.precision.name}",
     )
-    stored = _stored_weight_problem(engine.model, precision)
+    stored = _stored_weight_problem(backend, engine.model, precision)
     conformance.expect(stored is None, precision, "weights stored and valid", stored or "")
     logits = torch.cat([harness.prompt_logits(engine, p) for p in harness.tiny_prompts(2, 1)])
     want, fp32 = reference_logits(precision), reference_logits("fp32")
@@ -844,24 +844,62 @@ def _stored(args) -> tuple[torch.Tensor, torch.Tensor]:
     return k_cache.double(), v_cache.double()
 
 
-def _stored_weight_problem(model, precision: str) -> str | None:
+def _stored_weight_problem(backend, model, precision: str) -> str | None:
+    """What is wrong with how the backend stores the projections (Backend.stored_weights), or None."""
+    stored = backend.stored_weights(model)
+    if not stored:
+        return "the backend reports no stored projection weights (Backend.stored_weights)"
+    for where, s in stored.items():
+        check = _native_problem if s.form == "native" else _grid_problem
+        problem = check(where, s, precision)
+        if problem:
+            return problem
+    return None
+
+
+def _native_problem(where: str, s, precision: str) -> str | None:
     kind = {"int4": Int4Weight, "fp8-e4m3": Fp8Weight, "fp8-e5m2": Fp8Weight}.get(precision, torch.Tensor)
-    for i, layer in enumerate(model.layers):
-        for name in ("qkv", "o", "gate_up", "down"):
-            w = getattr(layer, name)
-            where = f"layer {i} {name}"
-            if not isinstance(w, kind):
-                return f"{where} is stored as {type(w).__name__}, not {kind.__name__}"
-            if isinstance(w, torch.Tensor) and w.dtype != PRECISIONS[precision].storage_dtype:
-                return f"{where} is stored as {w.dtype}, not {PRECISIONS[precision].storage_dtype}"
-            try:
-                validate_weight(
-                    where,
-                    w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(),
-                    precision if precision in FP8_MAX else None,
-                )
-            except UserError as exc:
-                return str(exc)
+    w = s.weight
+    if not isinstance(w, kind):
+        return f"{where} is stored as {type(w).__name__}, not {kind.__name__}"
+    if isinstance(w, torch.Tensor) and w.dtype != PRECISIONS[precision].storage_dtype:
+        return f"{where} is stored as {w.dtype}, not {PRECISIONS[precision].storage_dtype}"
+    try:
+        validate_weight(
+            where, w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(), precision if precision in FP8_MAX else None
+        )
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def _grid_problem(where: str, s, precision: str) -> str | None:
+    """A wider float tensor declared to hold exactly the precision's values: int4 values on a 16-level grid in each
+    group of `group_size` columns, 16-bit values that survive a round trip through their dtype."""
+    w = s.weight.detach().cpu()
+    if precision in FP8_MAX or not w.is_floating_point() or not bool(torch.isfinite(w).all()):
+        return f"{where}: a {precision} weight reported as grid values must be a finite float tensor (fp8: native)"
+    if precision != "int4":
+        storage = PRECISIONS[precision].storage_dtype
+        off = int((w.to(storage).to(w.dtype) != w).sum())
+        return f"{where}: {off} of {w.numel()} values are not {storage} values" if off else None
+    n, k = w.shape
+    g = s.group_size
+    if not g or k % g:
+        return f"{where}: int4 grid values need a group_size dividing K={k}, got {g}"
+    groups = w.double().reshape(n, k // g, g).sort(-1).values
+    span = groups[..., -1:] - groups[..., :1]
+    gaps = groups.diff(dim=-1)
+    # The grid step of a group: its smallest gap between distinct values (rounding of q * scale + offset aside).
+    step = torch.where(gaps > span * 1e-4, gaps, torch.inf).amin(-1, keepdim=True)
+    levels = ((groups - groups[..., :1]) / step).nan_to_num(0.0)
+    bad = ((levels - levels.round()).abs().amax(-1) > 1e-2) | (levels.round().amax(-1) > 15)
+    if bool(bad.any()):
+        row, group = (int(i) for i in bad.nonzero()[0])
+        return (
+            f"{where}: values of row {row}, columns {group * g}..{group * g + g - 1} lie on no 16-level grid: "
+            "the weights are not int4"
+        )
     return None
 
 

@@ -14,7 +14,8 @@ from flashnext.conformance import harness
 from flashnext.conformance.calibrate import ceil_125
 from flashnext.conformance.checks import compare
 from flashnext.conformance.formats import FP8_FORMATS
-from flashnext.conformance.suite import gain_fault
+from flashnext.conformance.suite import _stored_weight_problem, gain_fault
+from flashnext.core.backend import StoredWeight
 from flashnext.conformance.thresholds import THRESHOLDS
 from flashnext.core.cli_conformance import _run_pytest
 from flashnext.core.engine.sequence import SamplingParams
@@ -156,3 +157,41 @@ def test_divergence_tells_near_ties_from_faults():
         _Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault is None and worst > 1e-3 and "request 0 step 0" in where
+
+
+class _Reports:
+    """A backend's stored_weights answer, handed in."""
+
+    def __init__(self, **stored):
+        self.stored = stored
+
+    def stored_weights(self, model):
+        return self.stored
+
+
+def test_grid_storage_check_accepts_exact_values_and_names_what_is_not():
+    from flashnext.core.precision import PRECISIONS, int4_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 256, generator=g) * 0.05
+    for symmetric in (True, False):
+        grid = int4_quantize(w, 64, symmetric).dequantize(torch.float32)
+        assert _stored_weight_problem(_Reports(**{"layer 0 o": StoredWeight(grid, "grid", 64)}), None, "int4") is None
+    grid = int4_quantize(w, 64).dequantize(torch.float32)
+    kept = _Reports(**{"layer 0 o": StoredWeight(w, "grid", 64)})  # full precision claimed as int4
+    assert "lie on no 16-level grid: the weights are not int4" in _stored_weight_problem(kept, None, "int4")
+    wider = grid.clone()
+    wider[3, :64] = torch.linspace(-1, 1, 64)  # evenly spaced, but 64 levels
+    message = _stored_weight_problem(_Reports(**{"layer 2 down": StoredWeight(wider, "grid", 64)}), None, "int4")
+    assert message.startswith("layer 2 down: values of row 3, columns 0..63")
+    assert "group_size dividing K=256" in _stored_weight_problem(
+        _Reports(**{"layer 0 o": StoredWeight(grid, "grid", 96)}), None, "int4"
+    )
+    half = PRECISIONS["fp16"].quantize(w).float()
+    assert _stored_weight_problem(_Reports(**{"layer 0 o": StoredWeight(half, "grid")}), None, "fp16") is None
+    assert "values are not torch.float16 values" in _stored_weight_problem(
+        _Reports(**{"layer 0 o": StoredWeight(w, "grid")}), None, "fp16"
+    )
+    assert "Backend.stored_weights" in _stored_weight_problem(_Reports(), None, "int4")
+    native = _Reports(**{"layer 0 o": StoredWeight(grid)})  # dense floats claimed as native int4
+    assert _stored_weight_problem(native, None, "int4") == "layer 0 o is stored as Tensor, not Int4Weight"
