@@ -194,6 +194,17 @@ class LLMEngine:
             )
         return params.model_copy(update={"max_tokens": cap})
 
+    def max_tokens_notice(self, max_tokens: int) -> str | None:
+        """What the profile's max_tokens_cap does to a request asking `max_tokens`, said to its client: None when
+        it runs as asked (or is refused: add_request says why)."""
+        cap = self.profile.max_tokens_cap
+        if cap is None or max_tokens <= cap or self.profile.max_tokens_over_cap != "clamp":
+            return None
+        return (
+            f"max_tokens {max_tokens} lowered to {cap}: a request of backend '{self.backend.name}' (profile "
+            f"'{self.profile.name}', max_tokens_cap) answers at most {cap} tokens, then ends with finish_reason length"
+        )
+
     def abort(self, seq: Sequence) -> None:
         """Cancel a request and free its blocks at once."""
         if seq.finish_reason is None:
