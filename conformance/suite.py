@@ -928,25 +928,40 @@ def _greedy(engine, prompts, max_tokens=12):
     )
 
 
+def _tapes(engine) -> tuple[harness.LogitTape, harness.OpTape]:
+    """Recorders of a run: the logits behind each token, and each op's output rows (to name where runs part)."""
+    return harness.LogitTape(engine), harness.OpTape(engine)
+
+
 def _taped(engine, prompts, params: SamplingParams | None = None):
-    """Run `prompts` together, recording the logits behind each token: (sequences, tape)."""
-    tape = harness.LogitTape(engine)
-    return harness.run_requests(engine, prompts, params or SamplingParams(max_tokens=12, ignore_eos=True)), tape
+    """Run `prompts` together, recording the logits behind each token and the ops: (sequences, tapes)."""
+    tapes = _tapes(engine)
+    return harness.run_requests(engine, prompts, params or SamplingParams(max_tokens=12, ignore_eos=True)), tapes
 
 
 def _taped_alone(engine, prompts, params: SamplingParams | list[SamplingParams]):
-    tape = harness.LogitTape(engine)
+    tapes = _tapes(engine)
     params = params if isinstance(params, list) else [params] * len(prompts)
-    return [harness.run_requests(engine, [q], sp)[0] for q, sp in zip(prompts, params)], tape
+    return [harness.run_requests(engine, [q], sp)[0] for q, sp in zip(prompts, params)], tapes
 
 
 def check_same_run(conformance, precision: str, label: str, fast, plain, greedy: bool = True) -> bool:
     """Two runs that must agree up to the rounding of `precision`: logits step by step (step_logits), and no
-    token change the logits do not explain."""
-    (fast_seqs, fast_tape), (plain_seqs, plain_tape) = fast, plain
+    token change the logits do not explain. A failure names the first op call where the runs part."""
+    (fast_seqs, (fast_logits, fast_ops)), (plain_seqs, (plain_logits, plain_ops)) = fast, plain
     limit = THRESHOLDS["step_logits"].limit(precision)
-    worst, fault, where = harness.divergence(fast_tape, fast_seqs, plain_tape, plain_seqs, limit, greedy)
-    return conformance.check("step_logits", precision, worst, label, detail=where, fault=fault)
+    d = harness.divergence(fast_logits, fast_seqs, plain_logits, plain_seqs, limit, greedy)
+    detail = d.where
+    if d.request is not None and (d.fault is not None or not d.worst <= limit):
+        column = DTYPE_BOUND.get(getattr(fast_ops, "dtype", None), precision)
+
+        def bound(op: str) -> float:
+            return THRESHOLDS[op].limit(precision if op == "linear" else column)
+
+        i = d.request
+        blame = harness.first_op_divergence(fast_ops, fast_seqs[i], plain_ops, plain_seqs[i], d.step, bound)
+        detail = "; ".join(filter(None, [detail, blame]))
+    return conformance.check("step_logits", precision, d.worst, label, detail=detail, fault=d.fault)
 
 
 FEATURE_SETTINGS = {
@@ -1000,7 +1015,7 @@ def test_prefix_cache_hit_equals_miss(backend, conformance, invariant_precision,
     shared = harness.tiny_prompts(1, 11, lengths=(3 * bs,))[0]  # ends exactly on a block boundary
     prompts = [shared + [5, 9], shared + [77], shared + [5, 9], shared]
     cached = harness.make_engine(backend, tiny, p, **harness.plain_profile(), prefix_caching=True)
-    tape = harness.LogitTape(cached)
+    tapes = _tapes(cached)
     seqs = [harness.run_requests(cached, [q], SamplingParams(max_tokens=12, ignore_eos=True))[0] for q in prompts]
     hits = [s.num_cached_prefix for s in seqs]
     if not declares(backend, "prefix_caching"):
@@ -1017,14 +1032,15 @@ def test_prefix_cache_hit_equals_miss(backend, conformance, invariant_precision,
         conformance,
         p,
         "hit == miss",
-        (seqs, tape),
+        (seqs, tapes),
         _taped_alone(uncached, prompts, SamplingParams(max_tokens=12, ignore_eos=True)),
     )
 
 
 def test_batch_invariance(backend, conformance, invariant_precision, tiny):
     p = invariant_precision
-    engine = harness.make_engine(backend, tiny, p, **harness.plain_profile())
+    # No prefix cache: the batched run must compute its prompts together (127 rows), not find them cached.
+    engine = harness.make_engine(backend, tiny, p, **harness.plain_profile(), prefix_caching=False)
     prompts = harness.tiny_prompts(6, 5)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = _taped_alone(engine, prompts, params)
@@ -1043,11 +1059,11 @@ def test_seeded_determinism(backend, conformance, invariant_precision, tiny):
         ]
 
     def batched(seed_base: int):
-        tape = harness.LogitTape(engine)
+        tapes = _tapes(engine)
         seqs = [engine.add_request(q, sp) for q, sp in zip(prompts, params(seed_base))]
         while engine.has_work():
             engine.step()
-        return seqs, tape
+        return seqs, tapes
 
     first = batched(100)
     if not check_same_run(conformance, p, "same seed same tokens", first, batched(100), greedy=False):

@@ -138,22 +138,22 @@ def test_divergence_tells_near_ties_from_faults():
     nudged = tie + torch.tensor([0.0, 0.002, 0.0])
     plain = [_Seq("b", [0, 2])]
     # a near tie flipped by a logit difference larger than its margin: rounding, not a fault
-    worst, fault, _ = harness.divergence(
+    worst, fault, *_ = harness.divergence(
         _Tape({("a", 0): nudged}), [_Seq("a", [1, 0])], _Tape({("b", 0): tie}), plain, limit=1e-3
     )
     assert fault is None and worst < 1e-3
     # the same token change with a clear margin and nearly equal logits: the token is not its logits' argmax
-    _, fault, _ = harness.divergence(
+    _, fault, *_ = harness.divergence(
         _Tape({("a", 0): clear + 1e-4}), [_Seq("a", [1, 0])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault and "not the one its logits pick" in fault
     # NaN logits are named as such
-    _, fault, _ = harness.divergence(
+    _, fault, *_ = harness.divergence(
         _Tape({("a", 0): clear * float("nan")}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault and "non-finite logits" in fault
     # logits far apart: the value exceeds the bound, and the step is named
-    worst, fault, where = harness.divergence(
+    worst, fault, where, *_ = harness.divergence(
         _Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault is None and worst > 1e-3 and "request 0 step 0" in where
