@@ -16,7 +16,7 @@ from flashnext.conformance.checks import compare
 from flashnext.conformance.data import GREEDY_PROMPTS, SHAKESPEARE
 from flashnext.conformance.formats import FP8_FORMATS
 from flashnext.conformance.pytest_plugin import Recorder, backend_under_test
-from flashnext.conformance.thresholds import THRESHOLDS
+from flashnext.conformance.thresholds import CLEAR_MARGIN, THRESHOLDS
 from flashnext.core.backend import declares
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
@@ -1092,9 +1092,6 @@ def _cpu_backend():
     return registry.select(registry.discover(), "cpu").backend
 
 
-# A CPU fp32 step counts for the greedy check when its top-2 logit margin exceeds this: wide enough that the
-# precision's rounding of a 135M model's logits cannot bridge it, so disagreeing there is a fault, not a tie.
-CLEAR_MARGIN = {"fp32": 0.05, "bf16": 1.0, "fp16": 0.5, "fp8-e4m3": 2.0, "fp8-e5m2": 3.0, "int4": 2.0}
 
 
 @pytest.mark.slow
