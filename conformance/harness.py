@@ -228,7 +228,11 @@ def divergence(
                     worst, where = err, f"largest at request {i} step {j}"
                 if err > limit:
                     return Divergence(
-                        err, None, f"the logits first leave the plain run's beyond the bound at request {i} step {j}", i, j
+                        err,
+                        None,
+                        f"the logits first leave the plain run's beyond the bound at request {i} step {j}",
+                        i,
+                        j,
                     )
             if ta == tb:
                 continue
@@ -323,7 +327,9 @@ class OpTape:
 
         def following(inputs):
             self._tokens = [
-                (item.seq.request_id, item.seq.num_computed + k) for item in inputs.batch for k in range(item.num_tokens)
+                (item.seq.request_id, item.seq.num_computed + k)
+                for item in inputs.batch
+                for k in range(item.num_tokens)
             ]
             self._calls = self._linears = 0
             return step(inputs)
@@ -333,10 +339,11 @@ class OpTape:
 
     def _label(self, op: str) -> str:
         layer = self._linears // len(_PROJECTIONS)
-        where = f"layer {layer}" if layer < self._num_layers else "after the last layer"
+        if layer >= self._num_layers:
+            return "lm head linear" if op == "linear" else f"final {op}"
         if op == "linear":
-            return f"{where} linear ({_PROJECTIONS[self._linears % len(_PROJECTIONS)]})"
-        return f"{where} {op}"
+            return f"layer {layer} linear ({_PROJECTIONS[self._linears % len(_PROJECTIONS)]})"
+        return f"layer {layer} {op}"
 
     def _record(self, op: str, out) -> None:
         label = self._label(op)

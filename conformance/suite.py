@@ -866,7 +866,9 @@ def _native_problem(where: str, s, precision: str) -> str | None:
         return f"{where} is stored as {w.dtype}, not {PRECISIONS[precision].storage_dtype}"
     try:
         validate_weight(
-            where, w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(), precision if precision in FP8_MAX else None
+            where,
+            w.to("cpu") if not isinstance(w, torch.Tensor) else w.cpu(),
+            precision if precision in FP8_MAX else None,
         )
     except UserError as exc:
         return str(exc)
@@ -1090,8 +1092,6 @@ def _cpu_backend():
     from flashnext.core import registry
 
     return registry.select(registry.discover(), "cpu").backend
-
-
 
 
 @pytest.mark.slow

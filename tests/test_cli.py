@@ -207,7 +207,9 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, args, fragment):
 def test_refused_precision_exits_2_before_the_model_loads(monkeypatch, precision, fragment):
     from flashnext.core import loader
 
-    monkeypatch.setattr(loader, "load_model", lambda spec: pytest.fail("the model loaded before --precision was checked"))
+    monkeypatch.setattr(
+        loader, "load_model", lambda spec: pytest.fail("the model loaded before --precision was checked")
+    )
     args = ["run", "hello", "--model", "/never/loaded", "--precision", precision]
     result = invoke(*args, "--backend", "cpu" if precision == "fp7" else "rknpu")
     assert result.exit_code == 2, result.output

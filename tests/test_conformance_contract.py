@@ -11,12 +11,12 @@ import torch
 
 from conformance_helpers import env_with, listed
 from flashnext.conformance import harness
-from flashnext.conformance.calibrate import ceil_125
+from flashnext.conformance.calibrate import FLOOR, MARGIN_FLOOR, ceil_125, earlier, margin_rows, op_rows, rule
 from flashnext.conformance.checks import compare
 from flashnext.conformance.formats import FP8_FORMATS
 from flashnext.conformance.suite import _stored_weight_problem, gain_fault
+from flashnext.conformance.thresholds import CLEAR_MARGIN, THRESHOLDS
 from flashnext.core.backend import StoredWeight
-from flashnext.conformance.thresholds import THRESHOLDS
 from flashnext.core.cli_conformance import _run_pytest
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
@@ -102,12 +102,34 @@ def test_fp8_format_table_matches_torch():
         assert float(finite.max()) == fmt.max and float(finite[finite > 0].min()) == fmt.smallest_subnormal
 
 
-def test_op_bounds_follow_the_calibration():
+def test_op_bounds_and_greedy_margins_follow_the_calibration():
     table = json.loads((DOCS / "conformance_calibration.json").read_text())
-    assert table, "run conformance/calibrate.py --json docs/conformance_calibration.json"
-    for row in table:
+    assert table["ops"] and table["e2e_clear_margin"], "run conformance/calibrate.py (docs/conformance.md)"
+    for row in table["ops"]:
         assert THRESHOLDS[row["op"]].limit(row["column"]) >= row["rule"], row
+        assert row["rule"] == rule(max(row["observed"].values()), FLOOR.get(row["column"], 0.0)), row
+    assert {r["precision"] for r in table["e2e_clear_margin"]} == set(CLEAR_MARGIN)
+    for row in table["e2e_clear_margin"]:
+        assert CLEAR_MARGIN[row["precision"]] >= row["rule"] == rule(max(row["observed"].values()), MARGIN_FLOOR)
+    # The one column no kernel here can show rounding for: bounded by the rule, not by a guess.
+    e5m2 = next(r for r in table["ops"] if (r["op"], r["column"]) == ("linear", "fp8-e5m2"))
+    assert THRESHOLDS["linear"].limit("fp8-e5m2") == e5m2["rule"]
     assert ceil_125(2.1e-6) == 5e-6 and ceil_125(1e-5) == 1e-5 and ceil_125(0) == 0
+
+
+def test_calibration_keeps_each_source_apart(tmp_path):
+    """A table written on another machine folds in as its own sources, beside this machine's."""
+    other = {
+        "ops": [{"op": "linear", "column": "fp8-e5m2", "observed": {"cuda": 3e-4}, "rule": 1e-3, "bound": 0.02}],
+        "e2e_clear_margin": [{"precision": "bf16", "observed": {"cuda": 0.4}, "rule": 2.0, "margin": 1.0}],
+    }
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(other))
+    ops, margins = earlier(path)
+    rows = op_rows({"cpu": {("linear", "fp8-e5m2"): 8e-6}} | {f"h200: {s}": v for s, v in ops.items()})
+    assert rows[0]["observed"] == {"cpu": 8e-6, "h200: cuda": 3e-4} and rows[0]["rule"] == 1e-3
+    rows = margin_rows({"cpu": {"bf16": 0.1}} | {f"h200: {s}": v for s, v in margins.items()})
+    assert rows[0]["observed"] == {"cpu": 0.1, "h200: cuda": 0.4} and rows[0]["rule"] == 2.0
 
 
 @pytest.mark.parametrize("shape", [(33, 1536), (7, 320)])
@@ -195,3 +217,40 @@ def test_grid_storage_check_accepts_exact_values_and_names_what_is_not():
     assert "Backend.stored_weights" in _stored_weight_problem(_Reports(), None, "int4")
     native = _Reports(**{"layer 0 o": StoredWeight(grid)})  # dense floats claimed as native int4
     assert _stored_weight_problem(native, None, "int4") == "layer 0 o is stored as Tensor, not Int4Weight"
+
+
+def test_op_tape_names_the_first_op_call_where_two_runs_part():
+    from flashnext.conformance.suite import _tapes
+    from flashnext.plugins.cpu.kernels import CpuKernels
+
+    class OffKernels(CpuKernels):
+        def silu_and_mul(self, x):
+            return super().silu_and_mul(x) * 1.01
+
+    class OffBackend(CpuBackend):
+        def kernels(self, precision):
+            return OffKernels()
+
+    tiny, prompts = harness.tiny_model(), harness.tiny_prompts(2, 3)
+    runs = []
+    for backend in (CpuBackend(), OffBackend()):
+        engine = harness.make_engine(backend, tiny, "fp32", **harness.plain_profile())
+        tapes = _tapes(engine)
+        runs.append((harness.run_requests(engine, prompts, SamplingParams(max_tokens=3, ignore_eos=True)), tapes[1]))
+    (seqs, ops), (off_seqs, off_ops) = runs
+    assert ops.order[:4] == [
+        "000 layer 0 embedding",
+        "001 layer 0 rmsnorm",
+        "002 layer 0 linear (qkv)",
+        "003 layer 0 rope (q)",
+    ]
+    assert ops.ops["002 layer 0 linear (qkv)"] == "linear" and ops.order[-3:] == [
+        "024 final add_rmsnorm (normed)",
+        "025 final add_rmsnorm (residual)",
+        "026 lm head linear",
+    ]
+    blame = harness.first_op_divergence(off_ops, off_seqs[1], ops, seqs[1], 2, lambda op: 1e-10)
+    assert blame.startswith("first divergence at layer 0 silu_and_mul, normalized error 0.0001 (its op bound 1e-10)")
+    assert f"over the {len(prompts[1]) + 2} tokens" in blame
+    same = harness.first_op_divergence(ops, seqs[0], ops, seqs[0], 2, lambda op: 1e-10)
+    assert same.startswith("every op call agrees between the runs within its op bound")

@@ -3,8 +3,9 @@
 300 requests at concurrency 32: completions and chat, streamed and not, prompts of 2 to ~270 tokens; every 10th
 client hangs up mid-stream, from a request the server needs thousands of steps to finish (one client process
 parses every stream, so on a loaded machine it reads a stream seconds after the server wrote it: a hang-up from a
-short request could come after its end and count as "length"). Each other request must return the text (and finish reason) of a solo greedy run of its
-prompt, run one at a time after the burst (and equal to `LLM.generate`); at the end every KV block is free and
+short request could come after its end and count as "length"). Each other request must return the text (and
+finish reason) of a solo greedy run of its prompt, run one at a time after the burst (and equal to
+`LLM.generate`); at the end every KV block is free and
 /metrics counts exactly what was sent. Long prompts arriving together exercise chunked prefill, repeated ones the
 prefix cache.
 """

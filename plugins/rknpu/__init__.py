@@ -188,7 +188,7 @@ class RknpuBackend(Backend):
             check=False,
         )
         model = StaticModel.open(Path(folder.name), "onnxruntime")
-        model.temporary_folder = folder  # removed when the model goes
+        model.temporary_folder = folder
         return model
 
     def stored_weights(self, model: StaticModel) -> dict[str, StoredWeight]:

@@ -103,6 +103,7 @@ class StaticModel:
     def __init__(self, config: ModelConfig, embed: np.ndarray, sessions: dict, manifest: dict, folder: Path):
         self.config, self.embed, self.sessions, self.manifest = config, embed, sessions, manifest
         self.folder = folder
+        self.temporary_folder = None  # an on-the-fly export's TemporaryDirectory: removed with the model
         self.batch, self.chunk, self.context = manifest["batch"], manifest["chunk"], manifest["context"]
         self.cos_sin = rope_cache(config, "cpu").numpy()  # [context, D]: cos half, sin half
         shape = (self.batch, config.num_kv_heads, self.context, config.head_dim)
