@@ -11,7 +11,7 @@ import torch
 
 from conformance_helpers import env_with, listed
 from flashnext.conformance import harness
-from flashnext.conformance.calibrate import FLOOR, MARGIN_FLOOR, ceil_125, earlier, margin_rows, op_rows, rule
+from flashnext.conformance.calibrate import FLOOR, ceil_125, earlier, margin_rows, margin_rule, op_rows, rule
 from flashnext.conformance.checks import compare
 from flashnext.conformance.formats import FP8_FORMATS
 from flashnext.conformance.suite import _stored_weight_problem, gain_fault
@@ -109,8 +109,13 @@ def test_op_bounds_and_greedy_margins_follow_the_calibration():
         assert THRESHOLDS[row["op"]].limit(row["column"]) >= row["rule"], row
         assert row["rule"] == rule(max(row["observed"].values()), FLOOR.get(row["column"], 0.0)), row
     assert {r["precision"] for r in table["e2e_clear_margin"]} == set(CLEAR_MARGIN)
+    by_source = {}
     for row in table["e2e_clear_margin"]:
-        assert CLEAR_MARGIN[row["precision"]] >= row["rule"] == rule(max(row["observed"].values()), MARGIN_FLOOR)
+        for source, value in row["observed"].items():
+            by_source.setdefault(source, {})[row["precision"]] = value
+    for row in table["e2e_clear_margin"]:
+        p = row["precision"]
+        assert CLEAR_MARGIN[p] >= row["rule"] == max(margin_rule(p, s) for s in by_source.values() if p in s), row
     # The one column no kernel here can show rounding for: bounded by the rule, not by a guess.
     e5m2 = next(r for r in table["ops"] if (r["op"], r["column"]) == ("linear", "fp8-e5m2"))
     assert THRESHOLDS["linear"].limit("fp8-e5m2") == e5m2["rule"]
@@ -126,10 +131,11 @@ def test_calibration_keeps_each_source_apart(tmp_path):
     path = tmp_path / "h200.json"
     path.write_text(json.dumps(other))
     ops, margins = earlier(path)
-    rows = op_rows({"cpu": {("linear", "fp8-e5m2"): 8e-6}} | {f"h200: {s}": v for s, v in ops.items()})
-    assert rows[0]["observed"] == {"cpu": 8e-6, "h200: cuda": 3e-4} and rows[0]["rule"] == 1e-3
-    rows = margin_rows({"cpu": {"bf16": 0.1}} | {f"h200: {s}": v for s, v in margins.items()})
-    assert rows[0]["observed"] == {"cpu": 0.1, "h200: cuda": 0.4} and rows[0]["rule"] == 2.0
+    rows = op_rows({"cpu": {("linear", "fp8-e5m2"): 8e-6}} | ops)
+    assert rows[0]["observed"] == {"cpu": 8e-6, "cuda": 3e-4} and rows[0]["rule"] == 1e-3
+    rows = margin_rows({"cpu": {"bf16": 0.1}} | margins)
+    assert rows[0]["observed"] == {"cpu": 0.1, "cuda": 0.4} and rows[0]["rule"] == 1.0  # sqrt(3) x 0.4 -> 1
+    assert margin_rule("int4", {"int4": 0.05, "bf16": 0.78}) == 2.0  # bf16 activations' drop added
 
 
 @pytest.mark.parametrize("shape", [(33, 1536), (7, 320)])
