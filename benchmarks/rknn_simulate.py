@@ -93,7 +93,7 @@ def main():
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     reference = StaticModel.open(out, "onnxruntime")
-    simulated = StaticModel(reference.config, reference.embed, sessions, manifest)
+    simulated = StaticModel(reference.config, reference.embed, sessions, manifest, out)
     prompt = [
         int(t) for t in np.arange(3, 3 + manifest["chunk"] + manifest["chunk"] // 2) % reference.config.vocab_size
     ]

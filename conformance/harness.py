@@ -5,6 +5,8 @@ anywhere flashnext is installed.
 """
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -183,6 +185,14 @@ class LogitTape:
         return self.rows.get((seq.request_id, step))
 
 
+class Divergence(NamedTuple):
+    worst: float  # largest logits NMSE between the runs before their tokens part
+    fault: str | None
+    where: str
+    request: int | None = None  # where the comparison failed, for op-level blame
+    step: int | None = None
+
+
 def divergence(
     fast: LogitTape,
     fast_seqs: list[Sequence],
@@ -190,45 +200,56 @@ def divergence(
     plain_seqs: list[Sequence],
     limit: float,
     greedy: bool = True,
-) -> tuple[float, str | None, str]:
-    """(largest logits NMSE between the runs before their tokens part, a fault or None, where). Each request is
-    compared step by step until its tokens differ; a difference is a fault when both runs' logits are finite and
-    close but the token still changed: identical logits, or (greedy) a top-2 margin wider than twice the largest
-    logit difference, which rounding cannot bridge. Beyond the first difference the prefixes differ: not compared."""
+) -> Divergence:
+    """(largest logits NMSE between the runs before their tokens part, a fault or None, where[, the request and
+    step that failed]). Each request is compared step by step until its tokens differ; a difference is a fault
+    when both runs' logits are finite and close but the token still changed: identical logits, or (greedy) a top-2
+    margin wider than twice the largest logit difference, which rounding cannot bridge. Beyond the first
+    difference the prefixes differ: not compared."""
     worst, where = 0.0, ""
     for i, (a, b) in enumerate(zip(fast_seqs, plain_seqs)):
         for j, (ta, tb) in enumerate(zip(a.output_ids, b.output_ids)):
             la, lb = fast.get(a, j), plain.get(b, j)
             for run, logits in (("", la), ("plain ", lb)):
                 if logits is not None and not bool(torch.isfinite(logits).all()):
-                    return (
+                    return Divergence(
                         math.nan,
                         (
                             f"the {run}run's logits hold NaN/Inf at request {i} step {j}: the backend emits "
                             "non-finite logits"
                         ),
                         "",
+                        i,
+                        j,
                     )
             if la is not None and lb is not None:
                 err = float(((la.double() - lb.double()) ** 2).sum() / (lb.double() ** 2).sum().clamp_min(1e-300))
                 if err > worst:
                     worst, where = err, f"largest at request {i} step {j}"
                 if err > limit:
-                    return err, None, f"the logits first leave the plain run's beyond the bound at request {i} step {j}"
+                    return Divergence(
+                        err,
+                        None,
+                        f"the logits first leave the plain run's beyond the bound at request {i} step {j}",
+                        i,
+                        j,
+                    )
             if ta == tb:
                 continue
             if la is None or lb is None:
-                return (
+                return Divergence(
                     worst,
                     f"request {i} step {j}: token {ta} vs {tb}, and no logits were recorded to tell a "
                     "near tie from a fault",
                     where,
+                    i,
+                    j,
                 )
             diff = float((la - lb).abs().max())
             top2 = lb.topk(2).values
             margin = float(top2[0] - top2[1])
             if diff == 0 or (greedy and margin > 2 * diff):
-                return (
+                return Divergence(
                     worst,
                     (
                         f"request {i} step {j}: token {ta} vs {tb} although the logits differ by at most "
@@ -236,9 +257,11 @@ def divergence(
                         "its logits pick"
                     ),
                     where,
+                    i,
+                    j,
                 )
             break  # a near tie that rounding decided: later steps follow different prefixes
-    return worst, None, where
+    return Divergence(worst, None, where)
 
 
 KERNEL_OPS = ("embedding", "rmsnorm", "add_rmsnorm", "rope", "store_kv", "attention", "linear", "silu_and_mul")
@@ -261,3 +284,117 @@ class KernelTape:
             return fn(*args)
 
         return call
+
+
+# Names of the outputs of ops that return several tensors; and of a layer's projections in call order.
+_OUTPUTS = {"add_rmsnorm": ("normed", "residual"), "rope": ("q", "k")}
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class OpTape:
+    """Every kernel output of a run, row by row, known by the token it belongs to (request, position) and by the
+    op call that made it ("layer 0 linear (qkv)"): two runs that must agree are compared op by op to find the first
+    that parts them. It follows the runner's batches and wraps the model's kernels, so it sees a runner that calls
+    them in Python every step; replayed graphs and a backend's own forward pass leave it empty."""
+
+    def __init__(self, engine: LLMEngine):
+        self.rows: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        self.order: list[str] = []  # op calls in the order a step makes them
+        self.ops: dict[str, str] = {}  # op call -> the kernel op it called
+        model = engine.model
+        if not hasattr(model, "layers") or not hasattr(model, "kernels"):
+            return
+        self.dtype = model.dtype
+        self._tokens: list[tuple[str, int]] = []
+        self._calls, self._linears, self._num_layers = 0, 0, len(model.layers)
+        kernels = getattr(model.kernels, "recorded", model.kernels)  # an earlier tape's kernels are replaced
+        tape, step = self, engine.runner.step
+
+        class Recording:
+            recorded = kernels
+
+            def __getattr__(self, name):
+                fn = getattr(kernels, name)
+                if name not in KERNEL_OPS or name == "store_kv":
+                    return fn
+
+                def call(*args):
+                    out = fn(*args)
+                    tape._record(name, out)
+                    return out
+
+                return call
+
+        def following(inputs):
+            self._tokens = [
+                (item.seq.request_id, item.seq.num_computed + k)
+                for item in inputs.batch
+                for k in range(item.num_tokens)
+            ]
+            self._calls = self._linears = 0
+            return step(inputs)
+
+        model.kernels = Recording()
+        engine.runner.step = following
+
+    def _label(self, op: str) -> str:
+        layer = self._linears // len(_PROJECTIONS)
+        if layer >= self._num_layers:
+            return "lm head linear" if op == "linear" else f"final {op}"
+        if op == "linear":
+            return f"layer {layer} linear ({_PROJECTIONS[self._linears % len(_PROJECTIONS)]})"
+        return f"layer {layer} {op}"
+
+    def _record(self, op: str, out) -> None:
+        label = self._label(op)
+        self._linears += op == "linear"
+        outputs = out if isinstance(out, tuple) else (out,)
+        for name, tensor in zip(_OUTPUTS.get(op, ("",)), outputs):
+            call = f"{self._calls:03d} {label}" + (f" ({name})" if name else "")
+            self._calls += 1
+            if not isinstance(tensor, torch.Tensor) or tensor.shape[0] != len(self._tokens):
+                continue  # rows that are not one a token (the LM head's)
+            if call not in self.ops:
+                self.order.append(call)
+                self.ops[call] = op
+            flat = tensor.detach().flatten(1).double().cpu()
+            for token, row in zip(self._tokens, flat):
+                self.rows.setdefault(token, {})[call] = row  # the latest wins, as in LogitTape
+
+
+def first_op_divergence(
+    a: OpTape, seq_a: Sequence, b: OpTape, seq_b: Sequence, step: int, bound: Callable[[str], float]
+) -> str:
+    """Where two runs of one request first part, op by op, over the tokens both computed that lead to output `step`
+    (its prompt and the outputs before it, equal in both): the first op call whose outputs differ beyond
+    bound(op), as "first divergence at layer L op X, normalized error E"."""
+    upto = seq_a.num_prompt + step
+    tokens = [
+        (pos, a.rows[seq_a.request_id, pos], b.rows[seq_b.request_id, pos])
+        for pos in range(upto)
+        if (seq_a.request_id, pos) in a.rows and (seq_b.request_id, pos) in b.rows
+    ]
+    if not tokens or not a.order:
+        return "the runs' ops could not be compared (the runner does not call the model's kernels step by step)"
+    largest = (0.0, "")
+    for call in a.order:
+        pairs = [(ra[call], rb[call]) for _, ra, rb in tokens if call in ra and call in rb]
+        if not pairs:
+            continue
+        x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        if bool((torch.isfinite(x) != torch.isfinite(y)).any()):
+            err = math.inf
+        else:
+            err = float(((x - y)[finite] ** 2).sum() / (y[finite] ** 2).sum().clamp_min(1e-300))
+        name, op = call.split(" ", 1)[1], a.ops[call]
+        if err > bound(op):
+            return (
+                f"first divergence at {name}, normalized error {err:.3g} (its op bound {bound(op):g}) over the "
+                f"{len(pairs)} tokens both runs computed before that step"
+            )
+        largest = max(largest, (err, name))
+    return (
+        f"every op call agrees between the runs within its op bound (largest: {largest[1]}, normalized error "
+        f"{largest[0]:.3g}): they part after the ops, where the runner computes the logits or samples"
+    )

@@ -60,9 +60,9 @@ THRESHOLDS: dict[str, Bound] = {
     "linear": Bound(
         "nmse",
         True,
-        _row(1e-10, 2e-5, 5e-7, 5e-3, 2e-2, 5e-5),
-        "vs the dequantized weight; fp32 excludes TF32; fp8 allows per-token fp8 activations (e5m2:"
-        " 4 x e4m3's, one mantissa bit less)",
+        _row(1e-10, 2e-5, 5e-7, 5e-3, 5e-5, 1e-4),
+        "vs the dequantized weight; fp32 excludes TF32; fp8-e4m3 allows per-token fp8 activations (W8A8);"
+        " fp8-e5m2 as observed, 16-bit activations (W8A16)",
     ),
     "gain": Bound(
         "|gain - 1|",
@@ -105,7 +105,7 @@ THRESHOLDS: dict[str, Bound] = {
         False,
         _row(1, 1, 1, 0.9, 0.9, 0.9),
         "default model, the CPU's 16 greedy tokens on three prompts fed to both: the"
-        " backend's argmax where the CPU's top-2 margin is clear (suite.CLEAR_MARGIN)",
+        " backend's argmax where the CPU's top-2 margin is clear (thresholds.CLEAR_MARGIN)",
     ),
     "e2e_perplexity": Bound(
         "relative difference",
@@ -114,6 +114,12 @@ THRESHOLDS: dict[str, Bound] = {
         "perplexity of a fixed Shakespeare passage vs the CPU backend (default model)",
     ),
 }
+
+
+# e2e_greedy_agreement judges a step when the CPU fp32 top-2 logit margin exceeds this: more than the precision's
+# rounding moves the lead of the top token on the default model (calibrate.py --e2e, docs/conformance.md), so
+# disagreeing there is a fault, not a tie.
+CLEAR_MARGIN = {"fp32": 0.01, "bf16": 2.0, "fp16": 0.2, "fp8-e4m3": 20.0, "fp8-e5m2": 20.0, "int4": 2.0}
 
 
 def render_markdown() -> str:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import UserError
 from .kernels import ReferenceKernels
-from .precision import PRECISIONS, Precision
+from .precision import PRECISIONS, Precision, Weight
 from .profile import KvCacheDtype, Profile
 
 # The plugin contract's version. A plugin sets `api_version` to the one it was written for; one that sets none was
@@ -84,6 +84,18 @@ class Capabilities(BaseModel):
             unified_memory=flags.pop("unified_memory", False),
             extra={k: v for k, v in flags.items() if k != "static_shapes"},  # a flag cannot say which shapes
         )
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One projection as a backend holds it, for the conformance suite's storage check. `form` "native": `weight`
+    is the precision's own storage (Int4Weight, Fp8Weight, or a tensor of its storage dtype); "grid": `weight` is a
+    wider float tensor whose values are exactly the precision's quantized values (an int4 grid of `group_size`
+    columns a group, or 16-bit values, carried in a 32-bit graph)."""
+
+    weight: Weight
+    form: Literal["native", "grid"] = "native"
+    group_size: int | None = None  # "grid" int4: the columns that share one scale and offset
 
 
 @dataclass
@@ -182,6 +194,15 @@ class Backend:
             quantized_head,
         )
 
+    def stored_weights(self, model) -> dict[str, StoredWeight]:
+        """The projection weights of a model build_model made, as this backend stores them, by "layer I NAME".
+        Default: a DecoderModel's layers, each in its native form."""
+        return {
+            f"layer {i} {name}": StoredWeight(getattr(layer, name))
+            for i, layer in enumerate(model.layers)
+            for name in ("qkv", "o", "gate_up", "down")
+        }
+
     def load_model(self, spec: str | None):
         """The model a user names (folder, .gguf, HF id or None for the default), loaded by the core's loader; a
         backend that runs graphs exported ahead of time reads its own folders here."""
@@ -228,7 +249,8 @@ class Backend:
 
     # --- requests ----------------------------------------------------------------------------------------------
     def check_request(self, precision: str, profile: Profile) -> Precision:
-        """Refuse what this backend does not declare, with the reason and the alternatives."""
+        """Refuse what this backend does not declare, with the reason and the alternatives; else the Precision it
+        runs. A query without side effects: it is also asked what would fit, and before anything is loaded."""
         if precision not in PRECISIONS:
             raise UserError(f"unknown precision '{precision}': choose one of {', '.join(PRECISIONS)}")
         if precision not in self.precisions:
@@ -257,6 +279,11 @@ class Backend:
                 f" (choose {offered}; FLASHNEXT_ATTENTION)"
             )
         return PRECISIONS[precision]
+
+    def prepare_engine(self, precision: Precision, profile: Profile) -> None:
+        """The action that follows an accepted request: the engine calls it once, before it loads any weight, with
+        what check_request returned and its profile (a memory budget, a kernel choice, a clock check under load
+        start here). It may still refuse with a UserError. Default: nothing to prepare."""
 
 
 def incompatibility(backend: Backend) -> str | None:

@@ -75,6 +75,8 @@ class LLM:
         if settings.threads is None:
             self.threads = per_rank(self.threads, int(os.environ.get("LOCAL_WORLD_SIZE", settings.tensor_parallel)))
         apply_threads(self.threads)
+        if precision is not None:  # a precision the backend refuses is refused before minutes of loading
+            entry.backend.check_request(precision, settings)
         call = dict(profile_overrides, model=model, backend=entry.name, precision=precision, profile=profile)
         self.parallel = parallel.start(entry.backend, model, settings, call | {"threads": self.threads.threads})
         if self.parallel:

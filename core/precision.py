@@ -441,6 +441,11 @@ def validate_weight(name: str, w: Weight, fmt: str | None = None) -> None:
         )
 
 
+def int4_group_size(k: int) -> int:
+    """The group Precision.quantize gives an int4 weight of K columns: the largest of 128 / 64 / 32 dividing K."""
+    return next((g for g in (128, 64, 32) if k % g == 0), 128)
+
+
 def _dequantize(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.dequantize(dtype) if isinstance(w, (Int4Weight, Fp8Weight)) else w.to(dtype)
 
@@ -461,8 +466,7 @@ class Precision:
         if self.name == "int4":
             if isinstance(w, Int4Weight):
                 return w  # already int4 (GGUF path): requantizing would only add error
-            k = w.shape[-1]
-            group_size = group_size or next((g for g in (128, 64, 32) if k % g == 0), 128)
+            group_size = group_size or int4_group_size(w.shape[-1])
             return int4_quantize(_dequantize(w, torch.float32), group_size=group_size)
         if self.name in FP8_MAX:
             if isinstance(w, Fp8Weight) and w.data.dtype == self.storage_dtype and w.block is None:

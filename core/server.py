@@ -28,6 +28,9 @@ from .metrics import ServerMetrics, spec_path
 log = logging.getLogger("flashnext.serve")
 
 PROFILE_HEADER = "X-Flashnext-Profile"
+# What the server changed about a request (a max_tokens above the backend's cap, lowered): this header, and the
+# same text in a top-level "warning" field of the response body (the first chunk of a stream).
+WARNING_HEADER = "X-Flashnext-Warning"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MIB = 1 << 20
 INT64 = 1 << 63
@@ -350,12 +353,14 @@ class Server:
         self.check_prompt(ids, "prompt")
         gen = Generation(self.submit(request, ids, self.sampling(req, max_tokens), rid), self.tokenizer, stops)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        warning = self.engine.max_tokens_notice(max_tokens)
         if req.stream:
             chunks = self._completion_chunks(gen, head, _include_usage(req))
-            return EventStream(gen, chunks)
+            return EventStream(gen, _warned(chunks, warning), _warning_header(warning))
         text = await _collect(request, gen)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason}
-        return JSONResponse({**head, "choices": [choice], "usage": gen.usage()})
+        body = {**head, "choices": [choice], "usage": gen.usage()}
+        return JSONResponse(_with_warning(body, warning), headers=_warning_header(warning))
 
     async def _completion_chunks(self, gen: "Generation", head: dict, include_usage: bool):
         async for piece, reason in gen.pieces():
@@ -374,13 +379,15 @@ class Server:
         max_tokens = asked or self.engine.max_model_len - len(ids)
         gen = Generation(self.submit(request, ids, self.sampling(req, max_tokens), rid), self.tokenizer, stops)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        warning = self.engine.max_tokens_notice(max_tokens)
         if req.stream:
             chunks = self._chat_chunks(gen, {**head, "object": "chat.completion.chunk"}, _include_usage(req))
-            return EventStream(gen, chunks)
+            return EventStream(gen, _warned(chunks, warning), _warning_header(warning))
         text = await _collect(request, gen)
         message = {"role": "assistant", "content": text}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": gen.finish_reason}
-        return JSONResponse({**head, "choices": [choice], "usage": gen.usage()})
+        body = {**head, "choices": [choice], "usage": gen.usage()}
+        return JSONResponse(_with_warning(body, warning), headers=_warning_header(warning))
 
     async def _chat_chunks(self, gen: "Generation", head: dict, include_usage: bool):
         def chunk(delta: dict, reason: str | None) -> dict:
@@ -510,6 +517,22 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _with_warning(body: dict, warning: str | None) -> dict:
+    return {**body, "warning": warning} if warning else body
+
+
+def _warning_header(warning: str | None) -> dict[str, str]:
+    return {WARNING_HEADER: warning} if warning else {}
+
+
+async def _warned(chunks: AsyncIterator[dict], warning: str | None) -> AsyncIterator[dict]:
+    """The stream with the warning in its first chunk."""
+    first = True
+    async for chunk in chunks:
+        yield _with_warning(chunk, warning) if first else chunk
+        first = False
+
+
 def _include_usage(req: _Sampling) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
@@ -564,8 +587,8 @@ class EventStream(StreamingResponse):
     """An SSE response that cancels its request however it ends: a client that hangs up makes Starlette cancel
     the body, and the request's blocks are freed before the engine's next step."""
 
-    def __init__(self, gen: Generation, chunks: AsyncIterator[dict]):
-        super().__init__(_sse(chunks), media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, gen: Generation, chunks: AsyncIterator[dict], headers: dict[str, str] | None = None):
+        super().__init__(_sse(chunks), media_type="text/event-stream", headers=SSE_HEADERS | (headers or {}))
         self.gen = gen
 
     async def __call__(self, scope, receive, send) -> None:

@@ -200,6 +200,23 @@ def test_bad_input_exits_2_with_one_line(tiny_llama, args, fragment):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(
+    "precision, fragment",
+    [("fp7", "unknown precision 'fp7': choose one of fp32, bf16"), ("fp8-e4m3", "fp8-e4m3")],
+)
+def test_refused_precision_exits_2_before_the_model_loads(monkeypatch, precision, fragment):
+    from flashnext.core import loader
+
+    monkeypatch.setattr(
+        loader, "load_model", lambda spec: pytest.fail("the model loaded before --precision was checked")
+    )
+    args = ["run", "hello", "--model", "/never/loaded", "--precision", precision]
+    result = invoke(*args, "--backend", "cpu" if precision == "fp7" else "rknpu")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line: no loading stage before it
+    assert result.stderr.startswith("error:") and fragment in result.stderr and "Traceback" not in result.output
+
+
 def test_empty_prompt_exits_2(tiny_llama):
     result = invoke("run", "   ", "--backend", "cpu", "--model", str(tiny_llama))
     assert result.exit_code == 2 and "prompt is empty" in result.stderr

@@ -45,6 +45,13 @@ FAULTS = {
         "declared off, yet cached prefix tokens",
         None,
     ),
+    # Faults only a batch shows: the invariant fails and names the op where batched and alone runs part.
+    "tile": (
+        "batch_invariance or linear",
+        r"batch_invariance",
+        "first divergence at layer 0 linear (qkv), normalized error",
+        None,
+    ),
     "nanlogits": (
         "(engine_precision and fp32) or seeded or batch",
         r"(engine_precision\[|seeded_determinism|batch_invariance)",

@@ -11,11 +11,12 @@ import torch
 
 from conformance_helpers import env_with, listed
 from flashnext.conformance import harness
-from flashnext.conformance.calibrate import ceil_125
+from flashnext.conformance.calibrate import FLOOR, ceil_125, earlier, margin_rows, margin_rule, op_rows, rule
 from flashnext.conformance.checks import compare
 from flashnext.conformance.formats import FP8_FORMATS
-from flashnext.conformance.suite import gain_fault
-from flashnext.conformance.thresholds import THRESHOLDS
+from flashnext.conformance.suite import _stored_weight_problem, gain_fault
+from flashnext.conformance.thresholds import CLEAR_MARGIN, THRESHOLDS
+from flashnext.core.backend import StoredWeight
 from flashnext.core.cli_conformance import _run_pytest
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.errors import UserError
@@ -101,12 +102,40 @@ def test_fp8_format_table_matches_torch():
         assert float(finite.max()) == fmt.max and float(finite[finite > 0].min()) == fmt.smallest_subnormal
 
 
-def test_op_bounds_follow_the_calibration():
+def test_op_bounds_and_greedy_margins_follow_the_calibration():
     table = json.loads((DOCS / "conformance_calibration.json").read_text())
-    assert table, "run conformance/calibrate.py --json docs/conformance_calibration.json"
-    for row in table:
+    assert table["ops"] and table["e2e_clear_margin"], "run conformance/calibrate.py (docs/conformance.md)"
+    for row in table["ops"]:
         assert THRESHOLDS[row["op"]].limit(row["column"]) >= row["rule"], row
+        assert row["rule"] == rule(max(row["observed"].values()), FLOOR.get(row["column"], 0.0)), row
+    assert {r["precision"] for r in table["e2e_clear_margin"]} == set(CLEAR_MARGIN)
+    by_source = {}
+    for row in table["e2e_clear_margin"]:
+        for source, value in row["observed"].items():
+            by_source.setdefault(source, {})[row["precision"]] = value
+    for row in table["e2e_clear_margin"]:
+        p = row["precision"]
+        assert CLEAR_MARGIN[p] >= row["rule"] == max(margin_rule(p, s) for s in by_source.values() if p in s), row
+    # The one column no kernel here can show rounding for: bounded by the rule, not by a guess.
+    e5m2 = next(r for r in table["ops"] if (r["op"], r["column"]) == ("linear", "fp8-e5m2"))
+    assert THRESHOLDS["linear"].limit("fp8-e5m2") == e5m2["rule"]
     assert ceil_125(2.1e-6) == 5e-6 and ceil_125(1e-5) == 1e-5 and ceil_125(0) == 0
+
+
+def test_calibration_keeps_each_source_apart(tmp_path):
+    """A table written on another machine folds in as its own sources, beside this machine's."""
+    other = {
+        "ops": [{"op": "linear", "column": "fp8-e5m2", "observed": {"cuda": 3e-4}, "rule": 1e-3, "bound": 0.02}],
+        "e2e_clear_margin": [{"precision": "bf16", "observed": {"cuda": 0.4}, "rule": 2.0, "margin": 1.0}],
+    }
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(other))
+    ops, margins = earlier(path)
+    rows = op_rows({"cpu": {("linear", "fp8-e5m2"): 8e-6}} | ops)
+    assert rows[0]["observed"] == {"cpu": 8e-6, "cuda": 3e-4} and rows[0]["rule"] == 1e-3
+    rows = margin_rows({"cpu": {"bf16": 0.1}} | margins)
+    assert rows[0]["observed"] == {"cpu": 0.1, "cuda": 0.4} and rows[0]["rule"] == 1.0  # sqrt(3) x 0.4 -> 1
+    assert margin_rule("int4", {"int4": 0.05, "bf16": 0.78}) == 2.0  # bf16 activations' drop added
 
 
 @pytest.mark.parametrize("shape", [(33, 1536), (7, 320)])
@@ -137,22 +166,97 @@ def test_divergence_tells_near_ties_from_faults():
     nudged = tie + torch.tensor([0.0, 0.002, 0.0])
     plain = [_Seq("b", [0, 2])]
     # a near tie flipped by a logit difference larger than its margin: rounding, not a fault
-    worst, fault, _ = harness.divergence(
+    worst, fault, *_ = harness.divergence(
         _Tape({("a", 0): nudged}), [_Seq("a", [1, 0])], _Tape({("b", 0): tie}), plain, limit=1e-3
     )
     assert fault is None and worst < 1e-3
     # the same token change with a clear margin and nearly equal logits: the token is not its logits' argmax
-    _, fault, _ = harness.divergence(
+    _, fault, *_ = harness.divergence(
         _Tape({("a", 0): clear + 1e-4}), [_Seq("a", [1, 0])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault and "not the one its logits pick" in fault
     # NaN logits are named as such
-    _, fault, _ = harness.divergence(
+    _, fault, *_ = harness.divergence(
         _Tape({("a", 0): clear * float("nan")}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault and "non-finite logits" in fault
     # logits far apart: the value exceeds the bound, and the step is named
-    worst, fault, where = harness.divergence(
+    worst, fault, where, *_ = harness.divergence(
         _Tape({("a", 0): clear * 1.1}), [_Seq("a", [0, 2])], _Tape({("b", 0): clear}), plain, limit=1e-3
     )
     assert fault is None and worst > 1e-3 and "request 0 step 0" in where
+
+
+class _Reports:
+    """A backend's stored_weights answer, handed in."""
+
+    def __init__(self, **stored):
+        self.stored = stored
+
+    def stored_weights(self, model):
+        return self.stored
+
+
+def test_grid_storage_check_accepts_exact_values_and_names_what_is_not():
+    from flashnext.core.precision import PRECISIONS, int4_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 256, generator=g) * 0.05
+    for symmetric in (True, False):
+        grid = int4_quantize(w, 64, symmetric).dequantize(torch.float32)
+        assert _stored_weight_problem(_Reports(**{"layer 0 o": StoredWeight(grid, "grid", 64)}), None, "int4") is None
+    grid = int4_quantize(w, 64).dequantize(torch.float32)
+    kept = _Reports(**{"layer 0 o": StoredWeight(w, "grid", 64)})  # full precision claimed as int4
+    assert "lie on no 16-level grid: the weights are not int4" in _stored_weight_problem(kept, None, "int4")
+    wider = grid.clone()
+    wider[3, :64] = torch.linspace(-1, 1, 64)  # evenly spaced, but 64 levels
+    message = _stored_weight_problem(_Reports(**{"layer 2 down": StoredWeight(wider, "grid", 64)}), None, "int4")
+    assert message.startswith("layer 2 down: values of row 3, columns 0..63")
+    assert "group_size dividing K=256" in _stored_weight_problem(
+        _Reports(**{"layer 0 o": StoredWeight(grid, "grid", 96)}), None, "int4"
+    )
+    half = PRECISIONS["fp16"].quantize(w).float()
+    assert _stored_weight_problem(_Reports(**{"layer 0 o": StoredWeight(half, "grid")}), None, "fp16") is None
+    assert "values are not torch.float16 values" in _stored_weight_problem(
+        _Reports(**{"layer 0 o": StoredWeight(w, "grid")}), None, "fp16"
+    )
+    assert "Backend.stored_weights" in _stored_weight_problem(_Reports(), None, "int4")
+    native = _Reports(**{"layer 0 o": StoredWeight(grid)})  # dense floats claimed as native int4
+    assert _stored_weight_problem(native, None, "int4") == "layer 0 o is stored as Tensor, not Int4Weight"
+
+
+def test_op_tape_names_the_first_op_call_where_two_runs_part():
+    from flashnext.conformance.suite import _tapes
+    from flashnext.plugins.cpu.kernels import CpuKernels
+
+    class OffKernels(CpuKernels):
+        def silu_and_mul(self, x):
+            return super().silu_and_mul(x) * 1.01
+
+    class OffBackend(CpuBackend):
+        def kernels(self, precision):
+            return OffKernels()
+
+    tiny, prompts = harness.tiny_model(), harness.tiny_prompts(2, 3)
+    runs = []
+    for backend in (CpuBackend(), OffBackend()):
+        engine = harness.make_engine(backend, tiny, "fp32", **harness.plain_profile())
+        tapes = _tapes(engine)
+        runs.append((harness.run_requests(engine, prompts, SamplingParams(max_tokens=3, ignore_eos=True)), tapes[1]))
+    (seqs, ops), (off_seqs, off_ops) = runs
+    assert ops.order[:4] == [
+        "000 layer 0 embedding",
+        "001 layer 0 rmsnorm",
+        "002 layer 0 linear (qkv)",
+        "003 layer 0 rope (q)",
+    ]
+    assert ops.ops["002 layer 0 linear (qkv)"] == "linear" and ops.order[-3:] == [
+        "024 final add_rmsnorm (normed)",
+        "025 final add_rmsnorm (residual)",
+        "026 lm head linear",
+    ]
+    blame = harness.first_op_divergence(off_ops, off_seqs[1], ops, seqs[1], 2, lambda op: 1e-10)
+    assert blame.startswith("first divergence at layer 0 silu_and_mul, normalized error 0.0001 (its op bound 1e-10)")
+    assert f"over the {len(prompts[1]) + 2} tokens" in blame
+    same = harness.first_op_divergence(ops, seqs[0], ops, seqs[0], 2, lambda op: 1e-10)
+    assert same.startswith("every op call agrees between the runs within its op bound")

@@ -303,6 +303,13 @@ def test_device_telemetry_has_the_shared_keys(as_board, name):
     assert all(isinstance(v, float) for v in telemetry["temperature_celsius"].values())
 
 
+def prepared(backend, precision, profile):
+    """What the engine does with a request: the query (check_request), then the action (prepare_engine)."""
+    chosen = backend.check_request(precision, profile)
+    backend.prepare_engine(chosen, profile)
+    return chosen
+
+
 def test_profiles_eager_by_default_full_offered():
     backend = JetsonBackend()
     profiles = backend.profiles()
@@ -317,7 +324,7 @@ def test_budget_is_a_fraction_of_available_memory_at_start(as_board, monkeypatch
     state = as_board("orin-nx-16gb-jp5")
     backend = JetsonBackend()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: pytest.fail("cudaMemGetInfo counts page cache as used"))
-    backend.check_request("bf16", backend.profiles()["eager"])
+    prepared(backend, "bf16", backend.profiles()["eager"])
     assert backend.free_memory_bytes() == int(11.2 * GIB * 0.75)
     state["available"] -= 3 * GIB  # weights placed: taken from the budget, not from a new reading
     assert backend.free_memory_bytes() == int(11.2 * GIB * 0.75) - 3 * GIB
@@ -327,9 +334,21 @@ def test_budget_is_a_fraction_of_available_memory_at_start(as_board, monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: GIB)
     monkeypatch.setenv("FLASHNEXT_MEMORY_FRACTION", "0.5")
     later = JetsonBackend()
-    later.check_request("bf16", resolve_profile(later, None, {}))
+    prepared(later, "bf16", resolve_profile(later, None, {}))
     assert later.free_memory_bytes() == int(8.2 * GIB * 0.5)
     assert UnifiedMemory(10 * GIB, 0.75).free(2 * GIB) < 0  # someone else took it: nothing left
+
+
+def test_check_request_is_a_query_the_budget_and_warnings_come_with_prepare(as_board, capsys):
+    as_board("orin-nano-8gb-jp6")  # hot zones: prepare_engine warns
+    backend = JetsonBackend()
+    for precision in ("bf16", "int4"):
+        backend.check_request(precision, backend.profiles()["eager"])
+    with pytest.raises(UserError, match="call prepare_engine"):
+        backend.free_memory_bytes()  # no budget was started by the queries
+    assert capsys.readouterr().err == ""
+    prepared(backend, "bf16", backend.profiles()["eager"])
+    assert backend.free_memory_bytes() > 0 and "warning: jetson: " in capsys.readouterr().err
 
 
 def test_fp8_refused_on_orin_with_the_alternatives_allowed_on_thor(as_board):
@@ -445,7 +464,7 @@ def test_power_and_heat_warnings_go_to_stderr_once_at_start(as_board, capsys, na
     as_board(name)
     backend = JetsonBackend()
     for _ in range(2):
-        backend.check_request("int4", backend.profiles()["eager"])
+        prepared(backend, "int4", backend.profiles()["eager"])
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == len(said) and all(line.startswith("warning: jetson: ") for line in lines)
     assert all(fragment in line for fragment, line in zip(said, lines))

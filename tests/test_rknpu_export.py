@@ -157,3 +157,23 @@ def test_cli_export_writes_the_folder_and_refuses_unknown_targets(tiny_llama, tm
     assert (
         result.exit_code == 2 and "--target rk3399: no installed backend exports it (targets: rk3588)" in result.stderr
     )
+
+
+def test_stored_weights_report_the_int4_grid_the_graphs_hold(rknpu_export, tiny_llama):
+    """What conformance's storage check reads: float32 values exactly on the core's int4 grid, not packed int4."""
+    from flashnext.conformance.suite import _stored_weight_problem
+    from flashnext.core.precision import PRECISIONS
+    from flashnext.plugins.rknpu import RknpuBackend
+
+    folder, _ = rknpu_export
+    backend, model = RknpuBackend(), StaticModel.open(folder, "onnxruntime")
+    stored = backend.stored_weights(model)
+    assert len(stored) == 4 * model.config.num_layers
+    down = stored["layer 1 down"]
+    w = load_model(str(tiny_llama)).weights["model.layers.1.mlp.down_proj.weight"]
+    int4 = PRECISIONS["int4"].quantize(w)
+    assert down.form == "grid" and down.weight.dtype == torch.float32 and down.group_size == int4.group_size
+    assert torch.equal(down.weight, int4.dequantize(torch.float32))
+    assert _stored_weight_problem(backend, model, "int4") is None
+    # fp16 is not what these graphs hold: the int4 grid's values are not all fp16 values
+    assert _stored_weight_problem(backend, model, "fp16") is not None

@@ -158,4 +158,8 @@ def test_serve_queues_a_fifth_concurrent_request_and_caps_max_tokens(rknpu_expor
         assert [r.status_code for r in replies] == [200] * 5, replies[0].text
         assert [r.json()["usage"]["completion_tokens"] for r in replies] == [64] * 5
         assert {r.json()["choices"][0]["finish_reason"] for r in replies} == {"length"}
+        assert {r.json()["warning"] for r in replies} == {
+            "max_tokens 100 lowered to 64: a request of backend 'rknpu' (profile 'onnxruntime', max_tokens_cap) "
+            "answers at most 64 tokens, then ends with finish_reason length"
+        }
         assert client.get("/health").json()["backend"] == "rknpu"

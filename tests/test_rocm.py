@@ -39,6 +39,13 @@ def _isolated(monkeypatch, tmp_path):
     attention.load_flash_attn.cache_clear()
 
 
+def prepared(backend, precision, profile):
+    """What the engine does with a request: the query (check_request), then the action (prepare_engine)."""
+    chosen = backend.check_request(precision, profile)
+    backend.prepare_engine(chosen, profile)
+    return chosen
+
+
 def use_amdsmi(monkeypatch, fixture: str, **options):
     mod = fake_amdsmi(fixture, **options)
     monkeypatch.setitem(sys.modules, "amdsmi", mod)
@@ -221,9 +228,9 @@ def test_profile_and_env_override_reach_the_backend(monkeypatch):
     rocm_torch(monkeypatch, "mi300x")
     fake_flash_attn(monkeypatch)
     backend = RocmBackend()
-    backend.check_request("bf16", backend.profiles()["basic"])
+    prepared(backend, "bf16", backend.profiles()["basic"])
     assert backend.attention_choice().prefill == "flash_attn"
-    backend.check_request("bf16", backend.profiles()["basic"].overridden(attention="triton"))
+    prepared(backend, "bf16", backend.profiles()["basic"].overridden(attention="triton"))
     assert backend.attention_choice().prefill == "triton"
     monkeypatch.setenv("FLASHNEXT_ATTENTION", "triton")
     assert RocmBackend().probe().facts["attention"]["prefill"] == "triton"
@@ -296,11 +303,25 @@ def test_low_hbm_warns_before_serving_and_checks_once(monkeypatch, capsys):
     rocm_torch(monkeypatch, "mi300x")
     smi = use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
     backend = RocmBackend()
-    backend.check_request("bf16", backend.profiles()["full"])
-    backend.check_request("int4", backend.profiles()["full"])
+    prepared(backend, "bf16", backend.profiles()["full"])
+    prepared(backend, "int4", backend.profiles()["full"])
     err = capsys.readouterr().err
     assert err.count("warning: HBM memory clock below its maximum under load (GPU 0 at 900 MHz of 1300 MHz") == 1
     assert smi.calls["init"] == 2  # the target (asic) read and the clock read; not again on the second request
+
+
+def test_check_request_is_a_query_the_clock_check_and_attention_come_with_prepare(monkeypatch, capsys):
+    rocm_torch(monkeypatch, "mi300x")
+    smi = use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
+    backend = RocmBackend()
+    strict = backend.profiles()["full"].overridden(strict_clocks=True)
+    for precision in ("bf16", "int4", "fp8-e4m3"):
+        backend.check_request(precision, strict)  # also what the engine asks when the weights do not fit
+    assert backend.attention_choice() is None and smi.calls["init"] == 1  # the target's read, no clock read
+    assert capsys.readouterr().err == ""
+    with pytest.raises(UserError, match="GPU 0 at 900 MHz of 1300 MHz"):
+        backend.prepare_engine(backend.check_request("bf16", strict), strict)
+    assert backend.attention_choice() is not None
 
 
 def test_low_hbm_with_strict_clocks_refuses(monkeypatch):
@@ -308,7 +329,7 @@ def test_low_hbm_with_strict_clocks_refuses(monkeypatch):
     use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
     backend = RocmBackend()
     with pytest.raises(UserError, match="GPU 0 at 900 MHz of 1300 MHz.*or start without --strict-clocks"):
-        backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+        prepared(backend, "bf16", backend.profiles()["full"].overridden(strict_clocks=True))
 
 
 @pytest.mark.parametrize(
@@ -346,14 +367,14 @@ def test_strict_clocks_refuses_when_the_clock_cannot_be_read(monkeypatch):
     use_amdsmi(monkeypatch, "amdsmi_mi300x_na.json")
     backend = RocmBackend()
     with pytest.raises(UserError, match="cannot check the HBM clock under load"):
-        backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+        prepared(backend, "bf16", backend.profiles()["full"].overridden(strict_clocks=True))
 
 
 def test_full_clocks_pass_strict(monkeypatch, capsys):
     rocm_torch(monkeypatch, "mi300x")
     use_amdsmi(monkeypatch, "amdsmi_mi300x_full.json")
     backend = RocmBackend()
-    backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+    prepared(backend, "bf16", backend.profiles()["full"].overridden(strict_clocks=True))
     assert "warning" not in capsys.readouterr().err
 
 
@@ -379,7 +400,7 @@ def test_memory_clock_reaches_metrics_and_health(monkeypatch, tiny_llama):
     rocm_torch(monkeypatch, "mi300x")
     smi = use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
     backend = RocmBackend()
-    backend.check_request("bf16", backend.profiles()["full"])  # what the engine asks first: the attention choice
+    prepared(backend, "bf16", backend.profiles()["full"])  # what the engine asks first: the attention choice
     opened = smi.calls["init"]
     monkeypatch.setattr(llm.engine, "backend", backend)  # a CPU engine reporting the ROCm fixture's device
     text = ServerMetrics(llm.engine).render().decode()

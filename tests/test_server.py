@@ -379,3 +379,35 @@ def test_health_reports_the_thread_count(client, llm):
 
     threads = client.get("/health").json()["threads"]
     assert threads == llm.threads.threads == torch.get_num_threads()
+
+
+def test_a_max_tokens_lowered_to_the_backends_cap_says_so(tiny):
+    """A profile's max_tokens_cap (the RK3588's 64) lowers a larger max_tokens: finish_reason "length", and the
+    reason reaches the client in a header and a top-level "warning" field, which the openai client keeps."""
+    import openai
+
+    capped = LLM(tiny, backend="cpu", max_num_seqs=2, kv_cache_max_gib=0.02, max_tokens_cap=6)
+    with running(capped) as http:
+        body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True, "temperature": 0}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        want = "max_tokens 20 lowered to 6: a request of backend 'cpu' (profile 'full', max_tokens_cap)"
+        assert data["warning"].startswith(want) and reply.headers["x-flashnext-warning"] == data["warning"]
+        assert data["usage"]["completion_tokens"] == 6 and data["choices"][0]["finish_reason"] == "length"
+
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=chat) as streamed:  # no max_tokens: the context's rest
+            assert "lowered to 6" in streamed.headers["x-flashnext-warning"]
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+        assert "lowered to 6" in events[0]["warning"] and all("warning" not in e for e in events[1:])
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+        within = http.post("/v1/completions", json=body | {"max_tokens": 6})
+        assert "warning" not in within.json() and "x-flashnext-warning" not in within.headers
+
+        client = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(
+            model=capped.info.model, prompt="hello", max_tokens=20, extra_body={"ignore_eos": True}
+        )
+        assert done.choices[0].finish_reason == "length" and "lowered to 6" in done.model_extra["warning"]

@@ -32,6 +32,7 @@ class LLMEngine:
         self.parallel = parallel  # a TensorParallel (core/parallel.py) when loaded holds one rank's shard
         self.precision = backend.check_request(precision or backend.preferred_precision(loaded.weights), profile)
         self.profile = profile = self._within_capabilities(profile)
+        backend.prepare_engine(self.precision, profile)
         if not backend.capabilities.unified_memory:
             self._refuse_weights_past_free_memory(backend, loaded)
         self.model = backend.build_model(loaded, self.precision, profile, self._quantized_head(backend, profile))
@@ -207,6 +208,17 @@ class LLMEngine:
                 f"'{self.backend.name}' (profile '{self.profile.name}', max_tokens_cap); ask for at most {cap}"
             )
         return params.model_copy(update={"max_tokens": cap})
+
+    def max_tokens_notice(self, max_tokens: int) -> str | None:
+        """What the profile's max_tokens_cap does to a request asking `max_tokens`, said to its client: None when
+        it runs as asked (or is refused: add_request says why)."""
+        cap = self.profile.max_tokens_cap
+        if cap is None or max_tokens <= cap or self.profile.max_tokens_over_cap != "clamp":
+            return None
+        return (
+            f"max_tokens {max_tokens} lowered to {cap}: a request of backend '{self.backend.name}' (profile "
+            f"'{self.profile.name}', max_tokens_cap) answers at most {cap} tokens, then ends with finish_reason length"
+        )
 
     def abort(self, seq: Sequence) -> None:
         """Cancel a request and free its blocks at once."""

@@ -184,11 +184,12 @@ class JetsonBackend(CudaBackend):
                 f"{precision} needs FP8 tensor cores (compute capability 8.9 or later); {self.board.name}"
                 f" is {major}.{minor}: use --precision int4 (a quarter of bf16's memory) or bf16"
             )
-        chosen = super().check_request(precision, profile)
-        # Each engine checks its request first, before it places anything: its budget starts here.
+        return super().check_request(precision, profile)
+
+    def prepare_engine(self, precision, profile: Profile) -> None:
+        # Each engine prepares before it places anything: its budget starts here.
         self.memory = UnifiedMemory(psutil.virtual_memory().available, profile.memory_fraction)
         self._warn_once()
-        return chosen
 
     def _warn_once(self) -> None:
         """A capped power mode or a zone near its trip point slows decode without failing it: say so at start."""
@@ -201,7 +202,7 @@ class JetsonBackend(CudaBackend):
 
     def free_memory_bytes(self) -> int:
         if self.memory is None:
-            raise UserError("the jetson backend's memory budget is set when a request is checked; call check_request")
+            raise UserError("the jetson backend's memory budget is set when an engine is prepared; call prepare_engine")
         free = self.memory.free(psutil.virtual_memory().available)
         if torch.cuda.is_available():
             if not torch.cuda.get_device_properties(0).is_integrated:  # a stand-in: its own memory bounds it too

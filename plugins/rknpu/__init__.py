@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from flashnext.core.backend import API_VERSION, Backend, Capabilities, Probe
+import torch
+
+from flashnext.core.backend import API_VERSION, Backend, Capabilities, Probe, StoredWeight
 from flashnext.core.errors import UserError
 from flashnext.core.hookspecs import hookimpl
 from flashnext.core.loader import LoadedModel
+from flashnext.core.precision import int4_group_size
 from flashnext.core.profile import Profile
 from flashnext.core.tokenizer import Tokenizer
 
@@ -168,23 +171,35 @@ class RknpuBackend(Backend):
         return self._export_and_open(loaded, precision.name, profile)
 
     def _export_and_open(self, loaded, precision: str, profile) -> StaticModel:
-        """A checkpoint given directly: exported into a temporary folder and opened with onnxruntime (which keeps
-        everything in memory, so the folder can go)."""
+        """A checkpoint given directly: exported into a temporary folder and opened with onnxruntime. The folder
+        lives as long as the model: stored_weights reads the graphs' weights back from it."""
         from .export import export
 
         limit = loaded.config.max_position_embeddings
         context = min(profile.max_model_len or limit, limit)
-        with tempfile.TemporaryDirectory(prefix="flashnext-rknpu-") as folder:
-            export(
-                loaded,
-                Path(folder),
-                precision=precision,
-                batch=profile.max_num_seqs,
-                chunk=min(32, context),
-                context=context,
-                check=False,
-            )
-            return StaticModel.open(Path(folder), "onnxruntime")
+        folder = tempfile.TemporaryDirectory(prefix="flashnext-rknpu-")
+        export(
+            loaded,
+            Path(folder.name),
+            precision=precision,
+            batch=profile.max_num_seqs,
+            chunk=min(32, context),
+            context=context,
+            check=False,
+        )
+        model = StaticModel.open(Path(folder.name), "onnxruntime")
+        model.temporary_folder = folder
+        return model
+
+    def stored_weights(self, model: StaticModel) -> dict[str, StoredWeight]:
+        """The projections as the graphs hold them: float32 initializers whose values are exactly the int4 grid
+        (q * scale + offset in the core's Int4Weight groups) or fp16-rounded values; not packed int4. The RKNN
+        converter stores both as fp16 on the NPU (docs/backends.md: which path gives which numerics)."""
+        int4 = model.manifest["precision"] == "int4"
+        return {
+            name: StoredWeight(torch.from_numpy(w.copy()), "grid", int4_group_size(w.shape[1]) if int4 else None)
+            for name, w in model.projections().items()
+        }
 
 
 @hookimpl

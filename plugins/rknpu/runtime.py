@@ -100,8 +100,10 @@ class StaticModel:
     dtype = torch.float32
     device = torch.device("cpu")
 
-    def __init__(self, config: ModelConfig, embed: np.ndarray, sessions: dict, manifest: dict):
+    def __init__(self, config: ModelConfig, embed: np.ndarray, sessions: dict, manifest: dict, folder: Path):
         self.config, self.embed, self.sessions, self.manifest = config, embed, sessions, manifest
+        self.folder = folder
+        self.temporary_folder = None  # an on-the-fly export's TemporaryDirectory: removed with the model
         self.batch, self.chunk, self.context = manifest["batch"], manifest["chunk"], manifest["context"]
         self.cos_sin = rope_cache(config, "cpu").numpy()  # [context, D]: cos half, sin half
         shape = (self.batch, config.num_kv_heads, self.context, config.head_dim)
@@ -124,7 +126,21 @@ class StaticModel:
                 sessions[name] = RknnLiteSession(folder / graph["rknn"], core_mask, rknnlite)
             else:
                 sessions[name] = OnnxSession(folder / graph["onnx"])
-        return cls(config, embed, sessions, manifest)
+        return cls(config, embed, sessions, manifest, folder)
+
+    def projections(self) -> dict[str, np.ndarray]:
+        """The decoder's projection weights as the exported graphs hold them, [N, K] float32 by "layer I NAME",
+        read back from the folder's ONNX graph and its weights file."""
+        import onnx
+        from onnx import numpy_helper
+
+        graph = self.folder / self.manifest["graphs"]["prefill"]["onnx"]
+        tensors = {t.name: t for t in onnx.load(str(graph), load_external_data=True).graph.initializer}
+        return {
+            f"layer {i} {name}": numpy_helper.to_array(tensors[f"layers.{i}.{name}.weight_t"]).T
+            for i in range(self.config.num_layers)
+            for name in ("qkv", "o", "gate_up", "down")
+        }
 
     def step(self, kind: str, first_slot: int, tokens: list[list[int] | None], starts: list[int]) -> np.ndarray:
         """One call of graph `kind`: its row i takes tokens[i] at positions starts[i].., reading and then extending

@@ -118,9 +118,13 @@ class RocmBackend(CudaBackend):
         chosen = Backend.check_request(self, precision, profile)  # CudaBackend's FP8 test reads CUDA capabilities
         if chosen.name in FP8_MAX:
             chosen = chosen.stored_as(target.fp8[0] if chosen.name == "fp8-e4m3" else target.fp8[1])
-        self._attention = self._choose(profile, gfx, target, self.activation_dtype(chosen))
-        self._check_clocks(profile)
+        self._choose(profile, gfx, target, self.activation_dtype(chosen))  # refuses a flash_attn that cannot run
         return chosen
+
+    def prepare_engine(self, precision, profile: Profile) -> None:
+        gfx, target, _ = self._target()
+        self._attention = self._choose(profile, gfx, target, self.activation_dtype(precision))
+        self._check_clocks(profile)
 
     def device_telemetry(self) -> dict:
         """The serving GPU's memory clock, and (in /health) the attention the engine chose and why."""
@@ -142,7 +146,7 @@ class RocmBackend(CudaBackend):
         return out
 
     def attention_choice(self) -> AttentionChoice | None:
-        """The attention chosen for the running engine (None before check_request)."""
+        """The attention chosen for the running engine (None before prepare_engine)."""
         return self._attention
 
     def _target(self) -> tuple[str, GfxTarget, str]:
