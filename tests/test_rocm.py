@@ -354,12 +354,13 @@ def test_the_clock_check_reads_only_the_gpu_it_loads(monkeypatch, capsys):
     use_amdsmi(monkeypatch, "amdsmi_mi300x_low_hbm.json")
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
     backend = RocmBackend()
-    backend.check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+    strict = backend.profiles()["full"].overridden(strict_clocks=True)
+    backend.prepare_engine(backend.check_request("bf16", strict), strict)
     assert "warning" not in capsys.readouterr().err
     assert backend.device_telemetry()["memory_clock_mhz"] == 1300
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
     with pytest.raises(UserError, match="GPU 0 at 900 MHz"):
-        RocmBackend().check_request("bf16", backend.profiles()["full"].overridden(strict_clocks=True))
+        RocmBackend().prepare_engine(backend.check_request("bf16", strict), strict)
 
 
 def test_strict_clocks_refuses_when_the_clock_cannot_be_read(monkeypatch):
