@@ -52,6 +52,9 @@ class Profile(BaseModel):
     # cap (finish_reason "length") and "refuse" rejects the request with the reason.
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_tokens_over_cap: Literal["clamp", "refuse"] = "clamp"
+    # Every row's arithmetic (GEMM path, reduction order, attention split) is fixed whatever else shares the step,
+    # so a request's greedy tokens do not depend on its batch. Backends say what it costs them (docs/serving.md).
+    batch_invariant: bool = False
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""
