@@ -2331,6 +2331,9 @@ class CudaKernels(ReferenceKernels):
         # computes each row as a one-row call does too (the GEMV did, at 82 us for a SmolLM2 K = 4 verify step's
         # five rows vs 22 for one; see skinny_gemm).
         self.row_invariant = False
+        # Profile batch_invariant (set by the runner for eager steps and every graph): decode rows attend with the
+        # prompt rows' tile configuration too, so a step's mix of rows changes no row's attention.
+        self.batch_invariant = False
         # Row counts up to which large weights and long rows take the GEMV (see _gemv_fits); graph_settings sets
         # both for row-invariant graphs.
         self.large_gemv_rows = LARGE_GEMV_MAX_ROWS
@@ -2594,7 +2597,8 @@ class CudaKernels(ReferenceKernels):
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
-        block_n, warps, stages = paged_config(dim, k_cache.dtype == torch.float8_e5m2, meta.max_query_len == 1)
+        decode = meta.max_query_len == 1 and not self.batch_invariant
+        block_n, warps, stages = paged_config(dim, k_cache.dtype == torch.float8_e5m2, decode)
         _paged_attention_kernel[grid](
             q,
             k_cache,
