@@ -168,6 +168,13 @@ def run(
             "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load."
         ),
     ] = False,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Greedy output independent of the batch (fixed per-row arithmetic); default: the profile's.",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
     warm_up: Annotated[bool, typer.Option(help=WARM_UP_HELP)] = True,
 ):
@@ -189,6 +196,7 @@ def run(
             kv_cache_dtype=kv_cache_dtype,
             threads=threads,
             strict_clocks=strict_clocks or None,
+            batch_invariant=batch_invariant,
         )
         if warm_up:
             llm.warm_up()

@@ -118,9 +118,9 @@ def default_model():
 
 @pytest.fixture(scope="module")
 def prompts(default_model):
-    """64 prompts of 2 to ~150 tokens (a fifth of them longer than a step's budget)."""
+    """64 prompts of 1 to ~160 tokens (a sixth of them longer than a step's budget)."""
     rng = random.Random(7)
-    lengths = [rng.choice((1, 3, 8, 20, 45, 110)) for _ in range(64)]
+    lengths = [rng.choice((1, 3, 8, 20, 45, 150)) for _ in range(64)]
     return [default_model.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(n))) for n in lengths]
 
 
