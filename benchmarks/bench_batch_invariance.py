@@ -78,7 +78,8 @@ def run(args) -> dict:
             if not shared_host:
                 del llm
                 gc.collect()
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
     keys = [k for k in rounds["off"][0] if k != "load_avg_1m"]
     medians = {mode: {k: statistics.median(x[k] for x in rows) for k in keys} for mode, rows in rounds.items()}
     cost = {k: 1 - medians["on"][k] / medians["off"][k] for k in keys}
