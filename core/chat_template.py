@@ -199,7 +199,9 @@ def _bounded_join(join):
 
 def _bound_filters(filters: dict) -> None:
     """Filters that build text or lists from a size argument, checked before they run."""
-    originals = {name: filters[name] for name in ("batch", "slice", "replace", "wordwrap", "format", "string", "sum", "join")}
+    originals = {
+        name: filters[name] for name in ("batch", "slice", "replace", "wordwrap", "format", "string", "sum", "join")
+    }
 
     def batch(value, linecount, fill_with=None):
         _check_size(int(linecount), "a batch")

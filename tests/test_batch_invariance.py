@@ -3,11 +3,15 @@
 The kernel tests are fast; the engine tests run the embedded default model (SmolLM2-135M int4) and are slow.
 """
 
+import importlib.util
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from fixtures import write_tiny_hf_model
 from flashnext.core.engine.engine import LLMEngine
 from flashnext.core.engine.sequence import SamplingParams
 from flashnext.core.kernels import AttentionMetadata
@@ -75,6 +79,22 @@ def test_prompt_positions_attend_as_their_decode_steps_whatever_the_chunking():
         bounds = [sum(chunks[:i]) for i in range(len(chunks) + 1)]
         chunked = torch.cat([attend(a, b) for a, b in zip(bounds, bounds[1:])])
         assert torch.equal(chunked, decoded), chunks
+
+
+def test_cost_benchmark_reports_both_modes_per_round(tmp_path):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_batch_invariance.py"
+    spec = importlib.util.spec_from_file_location("bench_batch_invariance", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, out = write_tiny_hf_model(tmp_path / "tiny", arch="llama"), tmp_path / "cost.json"
+    args = ["--model", str(model), "--batch-sizes", "1,3", "--prompt-len", "24", "--gen-len", "4", "--rounds", "2"]
+    bench.main([*args, "--kv-cache-max-gib", "0.01", "--json", str(out)])
+    result = json.loads(out.read_text())
+    keys = {"decode_tok_s_b1", "decode_tok_s_b3", "prefill_tok_s"}
+    assert set(result["cost"]) == keys and result["batch_sizes"] == [1, 3]
+    for mode in ("off", "on"):
+        assert len(result["rounds"][mode]) == 2 and all(r["load_avg_1m"] >= 0 for r in result["rounds"][mode])
+        assert all(result["median"][mode][k] > 0 for k in keys)
 
 
 # --- the engine on the default model ------------------------------------------------------------------------------
