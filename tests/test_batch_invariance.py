@@ -150,13 +150,45 @@ def invariant_engine(loaded, **overrides) -> LLMEngine:
     return LLMEngine(backend, loaded, None, backend.profiles()["full"].overridden(**(settings | overrides)))
 
 
+def recording_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
+    """Every logits row the engine's runner computes, by sequence (id) in step order: tokens can agree while the
+    numbers under them differ, and the numbers must not."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    step = engine.runner.step
+
+    def recorded(inputs):
+        result = step(inputs)
+        at = 0
+        for item in inputs.batch:
+            rows.setdefault(id(item.seq), []).extend(result.logits[at : at + item.num_logits])
+            at += item.num_logits
+        return result
+
+    engine.runner.step = recorded
+    return rows
+
+
 @pytest.fixture(scope="module")
 def probes(default_model, prompts):
-    """Three prompts (short, medium, chunked) and their greedy tokens generated alone, each in a fresh engine."""
+    """Three prompts (short, medium, chunked), each generated alone in a fresh engine: (prompt, tokens, logits)."""
     chosen = [min(prompts, key=len), sorted(prompts, key=len)[len(prompts) // 2], max(prompts, key=len)]
     assert len(chosen[2]) > 2 * BUDGET
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [(p, invariant_engine(default_model).generate([p], params)[0].output_ids) for p in chosen]
+    out = []
+    for prompt in chosen:
+        engine = invariant_engine(default_model)
+        logits = recording_logits(engine)
+        seq = engine.generate([prompt], params)[0]
+        out.append((prompt, seq.output_ids, logits[id(seq)]))
+    return out
+
+
+def assert_same(logits: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(logits) == len(want) == MAX_TOKENS
+    for i, (got, expected) in enumerate(zip(logits, want)):
+        assert torch.equal(got, expected), (
+            f"{what}: logits of token {i} differ by {float((got - expected).abs().max())}"
+        )
 
 
 @pytest.mark.slow
@@ -170,14 +202,18 @@ def test_default_model_is_int4_and_the_option_is_on(default_model):
 def test_greedy_tokens_alone_equal_those_inside_a_batch(default_model, prompts, probes, size):
     rng = random.Random(size)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompt, alone = probes[(size // 2) % 3]  # sizes 5, 16 and 64 hold the chunked one
+    prompt, alone, alone_logits = probes[(size // 2) % 3]  # sizes 5, 16 and 64 hold the chunked one
     batch = [p for p in prompts if p is not prompt]
     rng.shuffle(batch)
     batch = batch[: size - 1]
     at = rng.randrange(size)
     batch.insert(at, prompt)
-    outputs = invariant_engine(default_model).generate(batch, params)
-    assert outputs[at].output_ids == alone, f"batch of {size}, prompt of {len(prompt)} tokens at {at}"
+    engine = invariant_engine(default_model)
+    logits = recording_logits(engine)
+    outputs = engine.generate(batch, params)
+    what = f"batch of {size}, prompt of {len(prompt)} tokens at {at}"
+    assert outputs[at].output_ids == alone, what
+    assert_same(logits[id(outputs[at])], alone_logits, what)
 
 
 @pytest.mark.slow
@@ -186,9 +222,10 @@ def test_greedy_tokens_equal_when_requests_arrive_mid_decode(default_model, prom
     prompt chunks with decode rows in the same step); the prefix cache serves a repeated probe."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     engine = invariant_engine(default_model)
+    logits = recording_logits(engine)
     others = [engine.add_request(p, SamplingParams(max_tokens=3 * MAX_TOKENS, ignore_eos=True)) for p in prompts[:6]]
     seqs = []
-    for prompt, _ in probes + probes:
+    for prompt, _, _ in probes + probes:
         for _ in range(2):
             engine.step()
         seqs.append(engine.add_request(prompt, params))
@@ -197,4 +234,6 @@ def test_greedy_tokens_equal_when_requests_arrive_mid_decode(default_model, prom
         engine.step()
     assert all(s.finish_reason == "length" for s in others)
     assert seqs[-1].num_cached_prefix > 0  # the second round of probes hit the prefix cache
-    assert [s.output_ids for s in seqs] == [alone for _, alone in probes + probes]
+    assert [s.output_ids for s in seqs] == [alone for _, alone, _ in probes + probes]
+    for seq, (_, _, alone_logits) in zip(seqs, probes + probes):
+        assert_same(logits[id(seq)], alone_logits, f"prompt of {len(seq.prompt_ids)} tokens")
