@@ -171,6 +171,13 @@ def run(
             "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load."
         ),
     ] = False,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Greedy output independent of the batch (fixed per-row arithmetic); default: the profile's.",
+        ),
+    ] = None,
     threads: Annotated[int | None, typer.Option(min=1, help=THREADS_HELP)] = None,
     warm_up: Annotated[bool, typer.Option(help=WARM_UP_HELP)] = True,
     tensor_parallel: Annotated[int | None, typer.Option(min=1, help=TENSOR_PARALLEL_HELP)] = None,
@@ -194,6 +201,7 @@ def run(
             threads=threads,
             strict_clocks=strict_clocks or None,
             tensor_parallel=tensor_parallel,
+            batch_invariant=batch_invariant,
         )
         if warm_up:
             llm.warm_up()

@@ -39,6 +39,13 @@ def serve(
             "--strict-clocks", help="Refuse to start when the device's clocks are below their maximum under load."
         ),
     ] = False,
+    batch_invariant: Annotated[
+        bool | None,
+        typer.Option(
+            "--batch-invariant/--no-batch-invariant",
+            help="Greedy output independent of the batch (fixed per-row arithmetic); default: the profile's.",
+        ),
+    ] = None,
     access_log: Annotated[bool, typer.Option(help="Log every request (on stderr).")] = True,
     log_config: Annotated[
         Path | None,
@@ -83,6 +90,7 @@ def serve(
             threads=threads,
             strict_clocks=strict_clocks or None,
             tensor_parallel=tensor_parallel,
+            batch_invariant=batch_invariant,
         )
         llm.warm_up()
     print(

@@ -59,6 +59,9 @@ class Profile(BaseModel):
     # The collectives' transport: auto is torch's default for the backend's device (NCCL on NVIDIA GPUs, gloo on
     # CPUs); gloo on a GPU runs two ranks on one device (a correctness check: NCCL refuses that).
     tensor_parallel_comm: Literal["auto", "nccl", "gloo"] = "auto"
+    # Every row's arithmetic (GEMM path, reduction order, attention split) is fixed whatever else shares the step,
+    # so a request's greedy tokens do not depend on its batch. Backends say what it costs them (docs/serving.md).
+    batch_invariant: bool = False
 
     def overridden(self, **changes) -> "Profile":
         """A copy with `changes` applied (None means keep), validated: bad values name the field."""

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, NotReady, Overloaded, RequestFailed, RequestStream
 from .engine.sequence import SamplingParams
 from .errors import FlashnextError, UserError
+from .http_protocol import HeaderTimeoutProtocol
 from .metrics import ServerMetrics, spec_path
 
 log = logging.getLogger("flashnext.serve")
@@ -38,9 +39,14 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 MAX_STOP_TOKEN_IDS = 256
 # Request body bytes may arrive this far apart at most: a client that stops sending mid-body is cut off.
 BODY_READ_TIMEOUT_S = 30.0
-# uvicorn settings for `flashnext serve`: idle keep-alive connections close, header blocks are bounded, and
-# connections beyond the limit get 503 at once rather than piling up.
-UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 * 1024, "limit_concurrency": 2048}
+# uvicorn settings for `flashnext serve`: idle keep-alive connections close, header blocks are bounded in size and
+# in time (http_protocol.py), and connections beyond the limit get 503 at once rather than piling up.
+UVICORN_LIMITS = {
+    "timeout_keep_alive": 5,
+    "h11_max_incomplete_event_size": 64 * 1024,
+    "limit_concurrency": 2048,
+    "http": HeaderTimeoutProtocol,
+}
 
 
 class ApiError(Exception):

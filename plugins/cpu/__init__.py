@@ -41,6 +41,11 @@ class CpuBackend(Backend):
     def kernels(self, precision):
         return CpuKernels()
 
+    def build_model(self, loaded, precision, profile, quantized_head):
+        model = super().build_model(loaded, precision, profile, quantized_head)
+        model.kernels.batch_invariant = profile.batch_invariant
+        return model
+
     def activation_dtype(self, precision):
         # Quantized weights are expanded to fp32 on the CPU: fp32 GEMMs are the fast path there.
         return precision.activation_dtype if precision.name in ("bf16", "fp16") else torch.float32

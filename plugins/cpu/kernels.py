@@ -11,10 +11,18 @@ from flashnext.core.precision import Fp8Weight, Int4Weight
 # int4 CPU matmul, because batch-1 decode streams every weight from memory and fp16 halves the bytes of fp32.
 EXPANDED_DTYPE = torch.float16
 PREFILL_ROWS = 8
+# fp32 GEMMs pick their blocking by row count, so a row's sums change with M; run at a fixed M they do not.
+INVARIANT_TILE_ROWS = 16
 
 
 class CpuKernels(ReferenceKernels):
-    def __init__(self):
+    """batch_invariant: each row's result is the same whatever other rows share the call. Linear layers take one path
+    for any row count (torch's fp16 CPU GEMM reduces each row alone; fp32 GEMMs run in fixed tiles of rows) and every
+    prompt position attends as a decode step would (one query over its own context), so chunking a prompt differently
+    changes nothing either."""
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
         # Keyed by id() but holding the weight too, so a freed weight's id can never alias a cached tensor.
         self._expanded: dict[int, tuple[object, torch.Tensor, bool]] = {}
         self._rope_key: tuple[object, object] | None = None
@@ -50,15 +58,23 @@ class CpuKernels(ReferenceKernels):
         else:  # a dense weight in another dtype than x: an fp16 LM head is trusted, anything else widened
             dense, bounded = w, w.dtype == EXPANDED_DTYPE
         if dense.dtype == x.dtype:
-            return F.linear(x, dense, bias)
-        if x.shape[0] >= PREFILL_ROWS or not bounded:
+            return self._gemm(x, dense, bias)
+        if not bounded or (x.shape[0] >= PREFILL_ROWS and not self.batch_invariant):
             # Compute-bound (many rows) or a weight whose fp16 product could overflow: widen it for this call.
-            return F.linear(x, dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
+            return self._gemm(x, dense.to(x.dtype), None if bias is None else bias.to(x.dtype))
         # fp16 holds only ±65504: each row runs scaled to unit max, so large activations neither overflow nor lose
         # bits, and `bounded` guarantees the products of unit rows stay inside the range.
         row_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
         out = F.linear((x / row_scale).to(dense.dtype), dense).to(x.dtype) * row_scale
         return out if bias is None else out + bias.to(x.dtype)
+
+    def _gemm(self, x, w, bias):
+        if not self.batch_invariant or x.dtype != torch.float32:
+            return F.linear(x, w, bias)
+        rows = x.shape[0]
+        padded = torch.cat((x, x.new_zeros(-rows % INVARIANT_TILE_ROWS, x.shape[1])))
+        tiles = [F.linear(tile, w, bias) for tile in padded.split(INVARIANT_TILE_ROWS)]
+        return torch.cat(tiles)[:rows]
 
     def _dense(self, w) -> tuple[torch.Tensor, bool]:
         entry = self._expanded.get(id(w))
@@ -77,22 +93,34 @@ class CpuKernels(ReferenceKernels):
             keys = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
             values = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
             query = q[start : start + q_len].transpose(0, 1)
-            mask = None
-            if q_len > 1:  # queries are the last q_len positions of the context: causal, offset to the end
-                mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
-            # A leading batch dim routes SDPA to its flash CPU kernel; 3-D inputs take the math path, which
-            # materializes [heads, q, ctx] scores (1.4 GiB for a 4k prompt instead of 76 MiB).
-            attended = F.scaled_dot_product_attention(
-                query[None],
-                keys.to(q.dtype)[None],
-                values.to(q.dtype)[None],
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start : start + q_len] = attended[0].transpose(0, 1)
+            if q_len == 1 or not self.batch_invariant:
+                out[start : start + q_len] = _attend(query, keys, values, scale).transpose(0, 1)
+            else:  # each position as its decode step: one query over the context up to itself
+                first = ctx_len - q_len
+                for j in range(q_len):
+                    ctx = first + j + 1
+                    out[start + j] = _attend(query[:, j : j + 1], keys[:, :ctx], values[:, :ctx], scale)[:, 0]
             start += q_len
         return out
+
+
+def _attend(query, keys, values, scale):
+    """[H, Q, D] queries, the last Q positions of a context of [KV, C, D] keys and values: causal SDPA."""
+    q_len, ctx_len = query.shape[1], keys.shape[1]
+    mask = None
+    if q_len > 1:  # queries are the last q_len positions of the context: causal, offset to the end
+        mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
+    # A leading batch dim routes SDPA to its flash CPU kernel; 3-D inputs take the math path, which
+    # materializes [heads, q, ctx] scores (1.4 GiB for a 4k prompt instead of 76 MiB).
+    attended = F.scaled_dot_product_attention(
+        query[None],
+        keys.to(query.dtype)[None],
+        values.to(query.dtype)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended[0]
 
 
 def _rotate(x, cos, sin):

@@ -51,6 +51,9 @@ class CudaKernels(ReferenceKernels):
         # ... and sets this: the vocabulary projection then goes through the skinny GEMM in 16-row tiles, which
         # computes each row as a one-row call does too, faster than the GEMV would (see skinny_gemm).
         self.row_invariant = False
+        # Profile batch_invariant (set by the runner for eager steps and every graph): decode rows attend with the
+        # prompt rows' tile configuration too, so a step's mix of rows changes no row's attention.
+        self.batch_invariant = False
         # Row counts up to which large weights and long rows take the GEMV (see _gemv_fits); graph_settings sets
         # both for row-invariant graphs.
         self.large_gemv_rows = launch.LARGE_GEMV_MAX_ROWS
@@ -313,7 +316,8 @@ class CudaKernels(ReferenceKernels):
         block_q = max(1, 16 // group) if meta.max_query_len > 1 else 1
         block_m = max(16, _pow2(block_q * group))
         grid = (n_seqs, kv_heads, triton.cdiv(meta.max_query_len, block_q))
-        block_n, warps, stages = launch.paged_config(dim, k_cache.dtype == torch.float8_e5m2, meta.max_query_len == 1)
+        decode = meta.max_query_len == 1 and not self.batch_invariant
+        block_n, warps, stages = launch.paged_config(dim, k_cache.dtype == torch.float8_e5m2, decode)
         _paged_attention_kernel[grid](
             q,
             k_cache,

@@ -132,6 +132,8 @@ class CudaGraphRunner(ModelRunner):
     def __init__(self, model, setup: RunnerSetup):
         super().__init__(model, setup)
         self.kernels = model.kernels
+        if self.profile.batch_invariant:
+            self._batch_invariant_kernels()
         self.graph_captures = 0
         self.graph_replays = 0
         # Device memory the captures added (their pool and warm-up), outside the KV budget: the profile's
@@ -391,6 +393,16 @@ class CudaGraphRunner(ModelRunner):
             self._fill_spec(batch, bucket)
             self._capture((bucket, greedy, "spec"), lambda: self._spec_body(bucket, greedy), self.verify_len)
 
+    def _batch_invariant_kernels(self) -> None:
+        """Profile batch_invariant: one route for every row count, eager steps and graphs alike, so a row's numbers
+        do not depend on what shares its step: every projection through the skinny GEMM in 16-row tiles with one
+        configuration (no register GEMV, whose route ends at a row count; no cuBLAS, whose kernel and split-K follow
+        M), attention unsplit with the prompt rows' tiles (graph_settings then changes nothing)."""
+        k = self.kernels
+        k.row_invariant = k.batch_invariant = True
+        k.gemv_max_rows = k.large_gemv_rows = k.long_gemv_rows = 0
+        k.decode_splits = 1
+
     def _splits(self, bucket: int) -> int:
         """KV splits so that a small decode batch still gives the GPU a few hundred attention programs."""
         programs = bucket * self.model.config.num_kv_heads
@@ -411,6 +423,9 @@ class CudaGraphRunner(ModelRunner):
         """The kernel settings a graph of this bucket is captured with (split count, row-invariant GEMV), restored
         to the eager defaults afterwards."""
         kernels = self.kernels
+        if kernels.batch_invariant:  # one route for every batch already (_batch_invariant_kernels)
+            yield
+            return
         kernels.decode_splits = self._splits(bucket)
         if self._row_invariant(bucket):
             kernels.gemv_max_rows, kernels.row_invariant = max(GEMV_MAX_ROWS, bucket * query_rows), True
