@@ -16,10 +16,12 @@ from .kernels import EXPANDED_DTYPE, CpuKernels
 
 class CpuProfile(Profile):
     """The core's knobs plus how int4 decode steps run: `onnxruntime` (one graph a step computing from the 4-bit
-    codes), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime where it is installed and the model
+    codes, float32 activations: the reference's numbers), `onnxruntime-int8` (the same graph with activations rounded
+    to int8 in blocks as llama.cpp does: faster, but past the conformance suite's int4 logits bound on small random
+    models), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime where it is installed and the model
     fits the graph); env FLASHNEXT_INT4_DECODE."""
 
-    int4_decode: Literal["auto", "onnxruntime", "torch"] = "auto"
+    int4_decode: Literal["auto", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
 
 class CpuBackend(Backend):
@@ -78,7 +80,7 @@ def int4_decode_fact() -> str:
     """What `auto` runs int4 decode steps through on this machine (for --explain)."""
     if importlib.util.find_spec("onnxruntime") is None:
         return "torch (weights expanded to fp16): onnxruntime is not installed"
-    return "onnxruntime MatMulNBits, one graph a step (int4_decode=torch for the fp16 expansion)"
+    return "onnxruntime MatMulNBits, one graph a step, float32 activations (int4_decode: onnxruntime-int8, torch)"
 
 
 @hookimpl

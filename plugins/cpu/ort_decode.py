@@ -1,10 +1,10 @@
 """Int4 decode steps through onnxruntime: the whole layer stack as one graph that computes from the 4-bit codes.
 
-Every projection is a `MatMulNBits` over the Int4Weight's own codes and scales (accuracy level 4: activations rounded
-to int8 in blocks, as llama.cpp's Q4 x Q8 dot does); the rest of a layer (RMSNorm, rope, attention over the paged
-KV cache, SiLU, residuals) is in the same graph, so a decode step is one session call instead of hundreds of torch
-ops. The cache is read in place (bound by pointer); the step's new keys and values come back as outputs that the
-runner writes into the cache after the call. Prefill and the LM head stay on the torch path.
+Every projection is a `MatMulNBits` over the Int4Weight's own codes and scales (activations float32, or rounded to
+int8 in blocks as llama.cpp's Q4 x Q8 dot does: ACCURACY_LEVEL); the rest of a layer (RMSNorm, rope, attention over
+the paged KV cache, SiLU, residuals) is in the same graph, so a decode step is one session call instead of hundreds
+of torch ops. The cache is read in place (bound by pointer); the step's new keys and values come back as outputs
+that the runner writes into the cache after the call. Prefill and the LM head stay on the torch path.
 
 An Int4Weight value is q * scale + offset (q = 0..15); MatMulNBits computes (q - zero_point) * scale with integer
 zero points. Symmetric weights (offset = -8 * scale) are exactly zero point 8. Otherwise the codes run with zero
@@ -21,7 +21,9 @@ from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
 
-ACCURACY_LEVEL = 4  # int8 activations: MLAS's integer dot-product kernels
+# MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
+# fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
+ACCURACY_LEVEL = {"int8": 4, "fp32": 1}
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 MS_DOMAIN = "com.microsoft"
 
@@ -53,7 +55,9 @@ class DecodeOutputs:
 class OrtDecoder:
     """One onnxruntime session running a decode step of every layer; the KV cache is [layers * blocks, ...]."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int, threads: int, spinning: bool = False):
+    def __init__(
+        self, model: DecoderModel, num_blocks: int, threads: int, activations: str = "fp32", spinning: bool = False
+    ):
         import onnxruntime as ort
 
         self.model, self.num_blocks = model, num_blocks
@@ -63,7 +67,7 @@ class OrtDecoder:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.log_severity_level = 3
-        proto = GraphBuilder(model, num_blocks).build()
+        proto = GraphBuilder(model, num_blocks, ACCURACY_LEVEL[activations]).build()
         self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
         self.binding = self.session.io_binding()
 
@@ -76,7 +80,7 @@ class OrtDecoder:
         blocks = meta.block_tables[:, :width].clamp_min(0).long()
         past = meta.context_lens.long() - 1
         span = torch.arange(width * block_size + 1)
-        valid = (span < past[:, None]) | (span == width * block_size)
+        valid = ((span < past[:, None]) | (span == width * block_size)).contiguous()
         out = DecodeOutputs(
             torch.empty(rows, cfg.hidden_size),
             torch.empty(rows, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
@@ -86,7 +90,8 @@ class OrtDecoder:
             "hidden": hidden.contiguous(),
             "positions": positions.long().reshape(rows, 1).contiguous(),
             "blocks": blocks.contiguous(),
-            "valid": valid[:, None, None, :].contiguous(),
+            "valid": valid[:, None, None, :],  # scores [B, KV, group, span]
+            "valid_rows": valid[:, :, None, None],  # values [B, span, KV, D]: the same bytes
             "k_cache": k_cache,
             "v_cache": v_cache,
         }
@@ -105,8 +110,9 @@ _NP = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
 class GraphBuilder:
     """Writes the decode graph node by node (onnx.helper), weights as initializers."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int):
+    def __init__(self, model: DecoderModel, num_blocks: int, accuracy_level: int):
         self.model, self.cfg, self.num_blocks = model, model.config, num_blocks
+        self.accuracy_level = accuracy_level
         self.nodes, self.inits, self._n = [], [], 0
 
     def name(self, stem: str) -> str:
@@ -137,7 +143,10 @@ class GraphBuilder:
         """(rmsnorm(x + residual), x + residual)."""
         w = self.const(weight.float().numpy(), "norm")
         normed, _, _, total = self.op(
-            "SkipSimplifiedLayerNormalization", [x, residual, w], outputs=4, domain=MS_DOMAIN,
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, w],
+            outputs=4,
+            domain=MS_DOMAIN,
             epsilon=self.cfg.rms_norm_eps,
         )
         return normed, total
@@ -151,7 +160,7 @@ class GraphBuilder:
         inputs = [x, codes, scales]
         if not symmetric:  # zero point 0: the codes' own value; the offsets follow as a dense term
             inputs.append(self.const(np.zeros((n, -(-(k // g) // 2)), dtype=np.uint8), "zero"))
-        attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=ACCURACY_LEVEL)
+        attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=self.accuracy_level)
         y = self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
         if not symmetric:  # [B, K] @ [K, groups] of ones: each group's column sum
             sums = self.one("MatMul", [x, self.group_ones(k, g)])
@@ -176,6 +185,8 @@ class GraphBuilder:
         for cache, new in (("k_cache", key), ("v_cache", value)):
             past = self.one("Reshape", [self.one("Gather", [cache, blocks]), self.ints(0, -1, kv, d)])
             context.append(self.one("Concat", [past, new], axis=1))  # [B, P + 1, KV, D]
+        # Slots past a sequence's end hold whatever the memory held: a NaN there would survive a zero weight.
+        context[1] = self.one("Where", ["valid_rows", context[1], self.zero])
         scores = self.one("MatMul", [q, self.one("Transpose", [context[0]], perm=[0, 2, 3, 1])])
         probs = self.one("Softmax", [self.one("Where", ["valid", scores, self.neg_inf])], axis=-1)
         out = self.one("MatMul", [probs, self.one("Transpose", [context[1]], perm=[0, 2, 1, 3])])
@@ -217,6 +228,7 @@ class GraphBuilder:
         self.cos, self.sin = self.const(cos.contiguous().numpy(), "cos"), self.const(sin.contiguous().numpy(), "sin")
         self.scale = self.const(np.array(cfg.head_dim**-0.5, dtype=np.float32), "scale")
         self.neg_inf = self.const(np.array(-np.inf, dtype=np.float32), "neg_inf")
+        self.zero = self.const(np.array(0.0, dtype=np.float32), "zero")
         residual, hidden = "hidden", None
         for i in range(cfg.num_layers):
             residual, hidden = self.layer(i, residual, hidden)
@@ -232,6 +244,7 @@ class GraphBuilder:
             helper.make_tensor_value_info("positions", i64, ["batch", 1]),
             helper.make_tensor_value_info("blocks", i64, ["batch", "width"]),
             helper.make_tensor_value_info("valid", TensorProto.BOOL, ["batch", 1, 1, "span"]),
+            helper.make_tensor_value_info("valid_rows", TensorProto.BOOL, ["batch", "span", 1, 1]),
             helper.make_tensor_value_info("k_cache", f32, cache),
             helper.make_tensor_value_info("v_cache", f32, cache),
         ]

@@ -25,7 +25,9 @@ class CpuRunner(ModelRunner):
         self.k_cache = torch.empty(shape, dtype=setup.kv_dtype)
         self.v_cache = torch.empty(shape, dtype=setup.kv_dtype)
         n = setup.num_blocks
-        self.kv_caches = [(self.k_cache[i * n : (i + 1) * n], self.v_cache[i * n : (i + 1) * n]) for i in range(cfg.num_layers)]
+        self.kv_caches = [
+            (self.k_cache[i * n : (i + 1) * n], self.v_cache[i * n : (i + 1) * n]) for i in range(cfg.num_layers)
+        ]
         self.route, self.route_reason = decode_route(self.int4_decode, model, setup.kv_dtype)
         self.decoder: ort_decode.OrtDecoder | None = None
 
@@ -33,12 +35,13 @@ class CpuRunner(ModelRunner):
         return RunnerStats(warm_up_s=self.warm_up_s)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.route != "onnxruntime" or not inputs.is_decode or bool((inputs.meta.slot_mapping < 0).any()):
+        if self.route == "torch" or not inputs.is_decode or bool((inputs.meta.slot_mapping < 0).any()):
             return super().forward(inputs)
         if self.decoder is None:
             start = time.perf_counter()
+            activations = "int8" if self.route == "onnxruntime-int8" else "fp32"
             self.decoder = ort_decode.OrtDecoder(
-                self.model, self.setup.num_blocks, torch.get_num_threads(), spinning=self.spinning
+                self.model, self.setup.num_blocks, torch.get_num_threads(), activations, self.spinning
             )
             self.warm_up_s += time.perf_counter() - start
         model = self.model
@@ -52,16 +55,16 @@ class CpuRunner(ModelRunner):
         return out.hidden
 
 
-ROUTES = ("auto", "onnxruntime", "torch")
-
-
 def decode_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
-    """(route, why): `onnxruntime` where the graph can run this model's decode steps and the choice allows it."""
+    """(route, why): an onnxruntime route where the graph can run this model's decode steps and the choice allows
+    it; `auto` is `onnxruntime` (float32 activations)."""
     if choice == "torch":
         return "torch", "int4_decode = torch (profile / FLASHNEXT_INT4_DECODE)"
     reason = ort_decode.unsupported(model, kv_dtype)
     if reason is None:
-        return "onnxruntime", "int4 decode steps through onnxruntime MatMulNBits (one graph a step)"
-    if choice == "onnxruntime":
-        raise UserError(f"int4_decode = onnxruntime cannot run this model: {reason}; set int4_decode to auto or torch")
+        route = "onnxruntime" if choice == "auto" else choice
+        acts = "int8" if route == "onnxruntime-int8" else "float32"
+        return route, f"int4 decode steps through one onnxruntime MatMulNBits graph, {acts} activations"
+    if choice != "auto":
+        raise UserError(f"int4_decode = {choice} cannot run this model: {reason}; set int4_decode to auto or torch")
     return "torch", f"decode through torch: {reason}"
