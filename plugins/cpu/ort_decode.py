@@ -67,8 +67,10 @@ class OrtDecoder:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.log_severity_level = 3
-        proto = GraphBuilder(model, num_blocks, ACCURACY_LEVEL[activations]).build()
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        options.enable_cpu_mem_arena = False  # a step's activations are small; an arena only keeps freed weights copies
+        # Serialized at once, so the proto's copy of the weights is gone before onnxruntime makes its own.
+        graph = GraphBuilder(model, num_blocks, ACCURACY_LEVEL[activations]).build().SerializeToString()
+        self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self.binding = self.session.io_binding()
 
     def step(self, hidden, positions, meta: AttentionMetadata, k_cache, v_cache) -> DecodeOutputs:
