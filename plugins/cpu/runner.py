@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from flashnext.core.engine.runner import ModelRunner, RunnerSetup, RunnerStats, StepInputs
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInputs
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
 
@@ -15,8 +15,8 @@ class CpuRunner(ModelRunner):
     """ModelRunner with the KV cache of all layers in one tensor (so the decode graph reads it by one pointer and
     one index_copy_ stores a step's keys), and decode steps through `OrtDecoder` where the model allows it."""
 
-    int4_decode = "auto"  # the profile's choice; set on the subclass `runner_for` returns
-    spinning = False
+    int4_decode = "auto"  # the profile's choice; set on the subclass CpuBackend.runner_class returns
+    spinning = False  # the graph's thread pool sleeps between ops (a spinning one loses more on a shared machine)
 
     def __init__(self, model: DecoderModel, setup: RunnerSetup):
         super().__init__(model, setup)
@@ -30,9 +30,6 @@ class CpuRunner(ModelRunner):
         ]
         self.route, self.route_reason = decode_route(self.int4_decode, model, setup.kv_dtype)
         self.decoder: ort_decode.OrtDecoder | None = None
-
-    def stats(self) -> RunnerStats:
-        return RunnerStats(warm_up_s=self.warm_up_s)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.route == "torch" or not inputs.is_decode or bool((inputs.meta.slot_mapping < 0).any()):
