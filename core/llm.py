@@ -39,7 +39,7 @@ def resolve_profile(backend, name: str | None, overrides: dict) -> Profile:
     name = name or backend.default_profile
     if name not in profiles:
         raise UserError(f"backend '{backend.name}' has no profile '{name}': choose one of {', '.join(profiles)}")
-    return profiles[name].overridden(**env_overrides()).overridden(**overrides)
+    return profiles[name].overridden(**env_overrides(profile_class=type(profiles[name]))).overridden(**overrides)
 
 
 def per_rank(choice: ThreadChoice, ranks: int) -> ThreadChoice:

@@ -78,10 +78,11 @@ class Profile(BaseModel):
         return self.overridden(name="basic", cuda_graphs=False, chunked_prefill=False, spec="none")
 
 
-def env_overrides(environ=os.environ) -> dict:
-    """FLASHNEXT_<FIELD>=value for any Profile field (e.g. FLASHNEXT_MAX_NUM_SEQS=4); lists are comma-separated."""
+def env_overrides(environ=os.environ, profile_class: type[Profile] = Profile) -> dict:
+    """FLASHNEXT_<FIELD>=value for any field of the profile class (e.g. FLASHNEXT_MAX_NUM_SEQS=4); lists are
+    comma-separated."""
     out = {}
-    for name, field in Profile.model_fields.items():
+    for name, field in profile_class.model_fields.items():
         raw = environ.get(f"FLASHNEXT_{name.upper()}")
         if raw is None or name == "name":
             continue

@@ -1,5 +1,8 @@
 """The CPU backend: reference numerics for every precision; the default where no accelerator is found."""
 
+import importlib.util
+from typing import Literal
+
 import psutil
 import torch
 
@@ -9,6 +12,16 @@ from flashnext.core.precision import Int4Weight
 from flashnext.core.profile import Profile
 
 from .kernels import EXPANDED_DTYPE, CpuKernels
+
+
+class CpuProfile(Profile):
+    """The core's knobs plus how int4 decode steps run: `onnxruntime` (one graph a step computing from the 4-bit
+    codes, float32 activations: the reference's numbers), `onnxruntime-int8` (the same graph with activations rounded
+    to int8 in blocks as llama.cpp does: faster, but past the conformance suite's int4 logits bound on small random
+    models), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime where it is installed and the model
+    fits the graph); env FLASHNEXT_INT4_DECODE."""
+
+    int4_decode: Literal["auto", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
 
 class CpuBackend(Backend):
@@ -25,18 +38,27 @@ class CpuBackend(Backend):
     )
 
     def probe(self) -> Probe:
-        facts = {"threads": torch.get_num_threads(), "memory_available_bytes": psutil.virtual_memory().available}
+        facts = {
+            "threads": torch.get_num_threads(),
+            "memory_available_bytes": psutil.virtual_memory().available,
+            "int4_decode": int4_decode_fact(),
+        }
         return Probe(True, 1.0, "the CPU is always there; the lowest score so any accelerator wins", facts)
 
     def profiles(self) -> dict[str, Profile]:
         # The KV cap keeps a laptop responsive: 2 GiB holds ~45k tokens of the default model in fp32.
-        full = Profile(
+        full = CpuProfile(
             name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_max_gib=2.0
         )
         return {"full": full, "basic": full.basic()}
 
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def runner_class(self, profile: Profile):
+        from .runner import CpuRunner
+
+        return type("CpuRunner", (CpuRunner,), {"int4_decode": getattr(profile, "int4_decode", "auto")})
 
     def kernels(self, precision):
         return CpuKernels()
@@ -57,6 +79,13 @@ class CpuBackend(Backend):
     def preferred_precision(self, weights: dict) -> str:
         # A checkpoint stored in 4 bits (GGUF Q4) runs as int4: same numerics as expanding it to fp32, half the bytes.
         return "int4" if any(isinstance(w, Int4Weight) for w in weights.values()) else self.default_precision
+
+
+def int4_decode_fact() -> str:
+    """What `auto` runs int4 decode steps through on this machine (for --explain)."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return "torch (weights expanded to fp16): onnxruntime is not installed"
+    return "onnxruntime MatMulNBits, one graph a step, float32 activations (int4_decode: onnxruntime-int8, torch)"
 
 
 @hookimpl

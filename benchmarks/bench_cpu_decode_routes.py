@@ -1,0 +1,148 @@
+"""CPU int4 decode by route: the fp16 expansion (torch) against one onnxruntime MatMulNBits graph a step (float32 or
+int8 activations; the int8 one also with a spinning thread pool).
+
+The embedded SmolLM2 (int4) in engines that differ only in `int4_decode` (and, for onnxruntime, whether its thread
+pool spins), at each thread count; each round runs every engine once (the order rotates) on the same requests:
+`--batch` requests of a `--prompt-len`-token prompt, greedy, `--gen-len` new tokens, decode tok/s = (new tokens - 1)
+a request x batch / time from the first step that returned tokens to the last. Medians over rounds, the load
+average before and after; compare routes within one run only. `--busy` keeps one core busy with another process
+(a Python busy loop) throughout, to show what a loaded neighbour costs each route.
+
+    python benchmarks/bench_cpu_decode_routes.py --threads 1,2 --rounds 5 --json out.json
+    python benchmarks/bench_cpu_decode_routes.py --threads 2 --busy --json out_busy.json
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.llm import LLM
+from flashnext.core.loader import load_model
+
+PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
+ROUTES = ("torch", "onnxruntime", "onnxruntime-int8", "onnxruntime-int8-spin")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    p.add_argument("--routes", default=",".join(ROUTES), help="from: " + ", ".join(ROUTES))
+    p.add_argument("--batch", default="1", help="requests decoding together, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--busy", action="store_true", help="keep one core busy with a busy-loop process")
+    p.add_argument("--json", dest="json_path", help="write the rows here")
+    return p.parse_args(argv)
+
+
+def engine_for(loaded, route: str, threads: int, max_len: int, batch: int):
+    llm = LLM(
+        loaded,
+        backend="cpu",
+        precision="int4",
+        threads=threads,
+        int4_decode=route.removesuffix("-spin"),
+        max_model_len=max_len,
+        max_num_seqs=batch,
+        prefix_caching=False,
+    )
+    llm.engine.runner.spinning = route.endswith("-spin")
+    return llm.engine
+
+
+def decode_rate(engine, ids: list[int], gen_len: int, batch: int) -> float:
+    for _ in range(batch):
+        engine.add_request(ids, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    times, tokens = [], 0
+    while engine.has_work():
+        got = sum(len(out.new_token_ids) for out in engine.step())
+        if got:
+            times.append(time.perf_counter())
+            tokens += got
+    return (tokens - batch) / (times[-1] - times[0])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+    try:
+        rows = run(args)
+    finally:
+        if busy is not None:
+            busy.kill()
+    for r in rows:
+        print(
+            f"threads {r['threads']} batch {r['batch']} {r['route']:>17}: decode {r['decode_tok_s']:.1f} tok/s "
+            f"(rounds {', '.join(f'{x:.1f}' for x in r['rounds'])}), ×torch {r.get('vs_torch', float('nan')):.2f}"
+        )
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def run(args) -> list[dict]:
+    loaded = load_model(None)
+    ids = loaded.tokenizer.encode(PROSE * (1 + args.prompt_len // 20))[: args.prompt_len]
+    max_len = args.prompt_len + args.gen_len + 16
+    load_before = os.getloadavg()
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        for batch in (int(b) for b in args.batch.split(",")):
+            routes = args.routes.split(",")
+            engines = {r: engine_for(loaded, r, threads, max_len, batch) for r in routes}
+            samples = {r: [] for r in routes}
+            for engine in engines.values():  # warm-up: graph build, fp16 expansion, thread pools
+                torch.set_num_threads(threads)
+                decode_rate(engine, ids, 8, batch)
+            for i in range(args.rounds):
+                for route in routes[i % len(routes) :] + routes[: i % len(routes)]:
+                    torch.set_num_threads(threads)
+                    samples[route].append(decode_rate(engines[route], ids, args.gen_len, batch))
+            base = statistics.median(samples["torch"]) if "torch" in samples else None
+            for route in routes:
+                med = statistics.median(samples[route])
+                row = {"threads": threads, "batch": batch, "route": route, "decode_tok_s": med}
+                row["rounds"] = samples[route]
+                if base:
+                    row["vs_torch"] = med / base
+                    row["vs_torch_median_of_rounds"] = statistics.median(
+                        a / b for a, b in zip(samples[route], samples["torch"])
+                    )
+                rows.append(row)
+            del engines
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "SmolLM2-135M-Instruct Q4_1 (embedded), int4",
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "busy_neighbour": args.busy,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "torch": torch.__version__,
+        "onnxruntime": _onnxruntime_version(),
+        "logical_cpus": os.cpu_count(),
+    }
+    return [meta | r for r in rows]
+
+
+def _onnxruntime_version() -> str | None:
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    return onnxruntime.__version__
+
+
+if __name__ == "__main__":
+    main()
