@@ -197,8 +197,8 @@ def reference_varlen(
         vi = v[ks:ke].float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
         if causal:
-            rows = torch.arange(qe - qs).unsqueeze(1) + (ke - ks) - (qe - qs)
-            scores.masked_fill_(torch.arange(ke - ks).unsqueeze(0) > rows, float("-inf"))
+            rows = torch.arange(qe - qs, device=q.device).unsqueeze(1) + (ke - ks) - (qe - qs)
+            scores.masked_fill_(torch.arange(ke - ks, device=q.device).unsqueeze(0) > rows, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi).to(q.dtype)
     return out
 
