@@ -141,6 +141,15 @@ def test_auto_picks_onnxruntime_for_int4_and_torch_for_other_precisions(q4_1_lla
     assert engine_for(q4_1_llama, "torch").runner.route == "torch"
 
 
+def test_batch_invariance_keeps_decode_on_the_torch_route(q4_1_llama):
+    """onnxruntime's GEMM blocking follows the row count, so a batch-invariant engine decodes through torch, and an
+    explicit onnxruntime route is refused with the reason."""
+    runner = engine_for(q4_1_llama, "auto", batch_invariant=True).runner
+    assert runner.route == "torch" and "batch_invariant" in runner.route_reason
+    with pytest.raises(UserError, match="int4_decode = onnxruntime cannot run this model: batch_invariant"):
+        engine_for(q4_1_llama, "onnxruntime", batch_invariant=True)
+
+
 def test_asking_for_onnxruntime_where_it_cannot_run_names_the_reason(q4_1_llama):
     with pytest.raises(UserError, match="int4_decode = onnxruntime cannot run this model: the projections are not"):
         engine_for(q4_1_llama, "onnxruntime", precision="fp32")

@@ -57,7 +57,13 @@ def decode_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tup
     it; `auto` is `onnxruntime` (float32 activations)."""
     if choice == "torch":
         return "torch", "int4_decode = torch (profile / FLASHNEXT_INT4_DECODE)"
-    reason = ort_decode.unsupported(model, kv_dtype)
+    # onnxruntime's GEMMs pick their blocking by the number of rows: a row's sums would depend on its batch.
+    reason = (
+        "batch_invariant asks for fixed per-row arithmetic"
+        if getattr(model.kernels, "batch_invariant", False)
+        else None
+    )
+    reason = reason or ort_decode.unsupported(model, kv_dtype)
     if reason is None:
         route = "onnxruntime" if choice == "auto" else choice
         acts = "int8" if route == "onnxruntime-int8" else "float32"
