@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install triton)")
 
-import flashnext.plugins.cuda.kernels as kernels_module  # noqa: E402
+import flashnext.plugins.cuda.launch as launch  # noqa: E402
 from flashnext.core.engine.runner import RunnerSetup  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -70,9 +70,9 @@ def test_the_option_takes_one_route_for_every_row_count(tiny_random, monkeypatch
     never the register GEMV or cuBLAS, and attention with one tile configuration. (Under the interpreter both
     routes give the same sums, so the GPU test below is the one that compares tokens.)"""
     routes, attention_configs = [], []
-    paged_config = kernels_module.paged_config
+    paged_config = launch.paged_config
     monkeypatch.setattr(
-        kernels_module,
+        launch,
         "paged_config",
         lambda dim, e5m2, decode: attention_configs.append(decode) or paged_config(dim, e5m2, decode),
     )
@@ -97,6 +97,7 @@ def test_the_option_takes_one_route_for_every_row_count(tiny_random, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_greedy_tokens_do_not_depend_on_the_batch_on_the_gpu():
     """Qwen3-0.6B's shape, random weights, CUDA graphs on: a prompt alone and at a random place in batches of 1-64
     mixed prompts (some chunked) gives the same greedy tokens; with requests joining mid-decode too."""
