@@ -4,9 +4,11 @@ Run through benchmarks/rknn_simulate.sh (it makes the toolkit's venv). For each 
 load_onnx, build(do_quantization=False) (fp16 on the NPU), export_rknn, init_runtime() with no target, which is
 the simulator (it runs only a model built in the same process). Then one prompt runs through the prefill graph and
 --steps greedy tokens through the decode graph on both, and the script prints and writes (--json) the tokens,
-the logits' NMSE and the times.
+the logits' NMSE and the times. --decode-only converts only the decode graph (the prefill graph's build is the
+slow one at full size) and feeds the prompt through it a token a call, in slot 0 with the other rows idle, as the
+runtime's decode steps do.
 
-    python benchmarks/rknn_simulate.py EXPORTED_FOLDER [OUT_FOLDER] [--steps 32] [--json PATH]
+    python benchmarks/rknn_simulate.py EXPORTED_FOLDER [OUT_FOLDER] [--steps 32] [--decode-only] [--json PATH]
 """
 
 import argparse
@@ -58,8 +60,11 @@ def nmse(got, want) -> float:
     return float(((got - want) ** 2).sum() / max((want**2).sum(), 1e-30))
 
 
-def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    logits = [model.prefill(0, prompt, 0)[-1]]
+def greedy(model, prompt: list[int], steps: int, decode_only: bool) -> tuple[list[int], list[np.ndarray]]:
+    if decode_only:
+        logits = [[model.decode({0: (token, i)})[0] for i, token in enumerate(prompt)][-1]]
+    else:
+        logits = [model.prefill(0, prompt, 0)[-1]]
     tokens = [int(logits[-1].argmax())]
     for i in range(steps - 1):
         logits.append(model.decode({0: (tokens[-1], len(prompt) + i)})[0])
@@ -67,13 +72,18 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.nda
     return tokens, logits
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("folder", type=Path)
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--decode-only", action="store_true", help="convert and run only the decode graph")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     import rknn.api
 
     from flashnext.plugins.rknpu.runtime import StaticModel
@@ -85,6 +95,8 @@ def main():
     version = getattr(rknn.api, "__version__", None) or _toolkit_version()
     sessions, build_s = {}, {}
     for name, graph in manifest["graphs"].items():
+        if args.decode_only and name != "decode":
+            continue
         start = time.perf_counter()
         sessions[name] = SimulatorSession(convert(out / graph["onnx"], out / f"{name}.rknn"), name)
         build_s[name] = round(time.perf_counter() - start, 1)
@@ -98,10 +110,10 @@ def main():
         int(t) for t in np.arange(3, 3 + manifest["chunk"] + manifest["chunk"] // 2) % reference.config.vocab_size
     ]
     start = time.perf_counter()
-    want, want_logits = greedy(reference, prompt, args.steps)
+    want, want_logits = greedy(reference, prompt, args.steps, args.decode_only)
     onnx_s = time.perf_counter() - start
     start = time.perf_counter()
-    got, got_logits = greedy(simulated, prompt, args.steps)
+    got, got_logits = greedy(simulated, prompt, args.steps, args.decode_only)
     sim_s = time.perf_counter() - start
     same_prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
     report = {
@@ -109,6 +121,7 @@ def main():
         "toolkit": manifest["toolkit"],
         "build_s": build_s,
         "prompt_tokens": len(prompt),
+        "prompt_through": "decode" if args.decode_only else "prefill",
         "steps": args.steps,
         "onnxruntime_tokens": want,
         "simulator_tokens": got,

@@ -18,5 +18,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" uninstall -q -y opencv-python
   # flashnext itself, for its StaticModel; numpy stays at the toolkit's 1.26
   PIP_CONSTRAINT= "$venv/bin/pip" install -q "opencv-python-headless==4.10.0.84" "numpy==1.26.4" -e "$here/.."
+  # flashnext's own onnxruntime pin pulls a newer onnxruntime and protobuf 7; back to the toolkit's versions
+  PIP_CONSTRAINT= "$venv/bin/pip" install -q --no-deps "onnxruntime==1.18.1" "protobuf==4.25.4"
 fi
 "$venv/bin/python" "$here/rknn_simulate.py" "$@"
