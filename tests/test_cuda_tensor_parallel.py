@@ -25,7 +25,8 @@ from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.sharding import ShardPlan, shard_loaded  # noqa: E402
 from flashnext.plugins.cuda.forward import forward_unnormed, greedy_keys_of, logits_of  # noqa: E402
-from flashnext.plugins.cuda.kernels import CudaKernels, argmax_chunks  # noqa: E402
+from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
+from flashnext.plugins.cuda.launch import argmax_chunks  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -58,15 +58,11 @@ class CpuBackend(Backend):
     def runner_class(self, profile: Profile):
         from .runner import CpuRunner
 
-        return type("CpuRunner", (CpuRunner,), {"int4_decode": getattr(profile, "int4_decode", "auto")})
+        settings = {"int4_decode": getattr(profile, "int4_decode", "auto"), "batch_invariant": profile.batch_invariant}
+        return type("CpuRunner", (CpuRunner,), settings)
 
     def kernels(self, precision):
         return CpuKernels()
-
-    def build_model(self, loaded, precision, profile, quantized_head):
-        model = super().build_model(loaded, precision, profile, quantized_head)
-        model.kernels.batch_invariant = profile.batch_invariant
-        return model
 
     def activation_dtype(self, precision):
         # Quantized weights are expanded to fp32 on the CPU: fp32 GEMMs are the fast path there.

@@ -15,10 +15,12 @@ class CpuRunner(ModelRunner):
     """ModelRunner with the KV cache of all layers in one tensor (so the decode graph reads it by one pointer and
     one index_copy_ stores a step's keys), and decode steps through `OrtDecoder` where the model allows it."""
 
-    int4_decode = "auto"  # the profile's choice; set on the subclass CpuBackend.runner_class returns
+    int4_decode = "auto"  # the profile's choices; set on the subclass CpuBackend.runner_class returns
+    batch_invariant = False
     spinning = False  # the graph's thread pool sleeps between ops (a spinning one loses more on a shared machine)
 
     def __init__(self, model: DecoderModel, setup: RunnerSetup):
+        model.kernels.batch_invariant = self.batch_invariant  # before any step: every row's arithmetic is fixed
         super().__init__(model, setup)
         cfg = model.config
         shape = (cfg.num_layers * setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -57,13 +59,11 @@ def decode_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tup
     it; `auto` is `onnxruntime` (float32 activations)."""
     if choice == "torch":
         return "torch", "int4_decode = torch (profile / FLASHNEXT_INT4_DECODE)"
-    # onnxruntime's GEMMs pick their blocking by the number of rows: a row's sums would depend on its batch.
-    reason = (
-        "batch_invariant asks for fixed per-row arithmetic"
-        if getattr(model.kernels, "batch_invariant", False)
-        else None
-    )
-    reason = reason or ort_decode.unsupported(model, kv_dtype)
+    reason = ort_decode.unsupported(model, kv_dtype)
+    if getattr(model, "parallel", None) is not None:  # the graph holds whole layers: no all-reduce between ranks
+        reason = "tensor-parallel ranks hold shards of each layer"
+    if getattr(model.kernels, "batch_invariant", False):  # onnxruntime's GEMMs block by the number of rows
+        reason = "batch_invariant asks for fixed per-row arithmetic"
     if reason is None:
         route = "onnxruntime" if choice == "auto" else choice
         acts = "int8" if route == "onnxruntime-int8" else "float32"
