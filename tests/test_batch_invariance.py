@@ -151,8 +151,9 @@ def invariant_engine(loaded, **overrides) -> LLMEngine:
 
 
 def recording_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
-    """Every logits row the engine's runner computes, by sequence (id) in step order: tokens can agree while the
-    numbers under them differ, and the numbers must not."""
+    """Every logits row the engine's runner computes, by sequence (its arrival index: an id() is reused once a
+    finished sequence is freed) in step order: tokens can agree while the numbers under them differ, and the numbers
+    must not."""
     rows: dict[int, list[torch.Tensor]] = {}
     step = engine.runner.step
 
@@ -160,7 +161,7 @@ def recording_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
         result = step(inputs)
         at = 0
         for item in inputs.batch:
-            rows.setdefault(id(item.seq), []).extend(result.logits[at : at + item.num_logits])
+            rows.setdefault(item.seq.arrival_index, []).extend(result.logits[at : at + item.num_logits])
             at += item.num_logits
         return result
 
@@ -179,7 +180,7 @@ def probes(default_model, prompts):
         engine = invariant_engine(default_model)
         logits = recording_logits(engine)
         seq = engine.generate([prompt], params)[0]
-        out.append((prompt, seq.output_ids, logits[id(seq)]))
+        out.append((prompt, seq.output_ids, logits[seq.arrival_index]))
     return out
 
 
@@ -213,7 +214,7 @@ def test_greedy_tokens_alone_equal_those_inside_a_batch(default_model, prompts, 
     outputs = engine.generate(batch, params)
     what = f"batch of {size}, prompt of {len(prompt)} tokens at {at}"
     assert outputs[at].output_ids == alone, what
-    assert_same(logits[id(outputs[at])], alone_logits, what)
+    assert_same(logits[outputs[at].arrival_index], alone_logits, what)
 
 
 @pytest.mark.slow
@@ -236,4 +237,4 @@ def test_greedy_tokens_equal_when_requests_arrive_mid_decode(default_model, prom
     assert seqs[-1].num_cached_prefix > 0  # the second round of probes hit the prefix cache
     assert [s.output_ids for s in seqs] == [alone for _, alone, _ in probes + probes]
     for seq, (_, _, alone_logits) in zip(seqs, probes + probes):
-        assert_same(logits[id(seq)], alone_logits, f"prompt of {len(seq.prompt_ids)} tokens")
+        assert_same(logits[seq.arrival_index], alone_logits, f"prompt of {len(seq.prompt_ids)} tokens")
