@@ -1,7 +1,7 @@
 """CPU int4 decode by route: the fp16 expansion (torch) against one onnxruntime MatMulNBits graph a step (float32 or
 int8 activations; the int8 one also with a spinning thread pool).
 
-The embedded SmolLM2 (int4) in engines that differ only in `int4_decode` (and, for onnxruntime, whether its thread
+The embedded SmolLM2 (int4) in engines that differ only in `int4_route` (and, for onnxruntime, whether its thread
 pool spins), at each thread count; each round runs every engine once (the order rotates) on the same requests:
 `--batch` requests of a `--prompt-len`-token prompt, greedy, `--gen-len` new tokens, decode tok/s = (new tokens - 1)
 a request x batch / time from the first step that returned tokens to the last. Medians over rounds, the load
@@ -51,7 +51,7 @@ def engine_for(loaded, route: str, threads: int, max_len: int, batch: int):
         backend="cpu",
         precision="int4",
         threads=threads,
-        int4_decode=route.removesuffix("-spin"),
+        int4_route=route.removesuffix("-spin"),
         max_model_len=max_len,
         max_num_seqs=batch,
         prefix_caching=False,

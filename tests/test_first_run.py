@@ -101,12 +101,25 @@ def test_run_prints_one_line_per_stage_when_not_a_terminal(tiny_llama):
     assert all(line.endswith(" s)") for line in lines[:3])
 
 
-def test_int4_expansion_is_warm_up_not_first_token(tiny_llama):
-    """The CPU's int4 → fp16 expansion happens in the warm-up: the kernels hold every expanded weight before the
-    request, and warm_up_s is that time."""
+def test_int4_graph_build_is_warm_up_not_first_token(tiny_llama):
+    """The CPU's onnxruntime graph is built in the warm-up, which counts its time; the request finds it ready."""
     from flashnext.core.llm import LLM
 
-    llm = LLM(str(tiny_llama), backend="cpu", precision="int4")
+    llm = LLM(str(tiny_llama), backend="cpu", precision="int4", int4_route="onnxruntime")
+    assert llm.engine.runner.graph is None
+    seconds = llm.warm_up()
+    graph = llm.engine.runner.graph
+    assert graph is not None and llm.warm_up_s == pytest.approx(seconds, abs=1e-6) and seconds > 0
+    llm.generate(["hello"])
+    assert llm.engine.runner.graph is graph
+
+
+def test_int4_expansion_is_warm_up_not_first_token(tiny_llama):
+    """On the torch route the int4 → fp16 expansion happens in the warm-up: the kernels hold every expanded weight
+    before the request, and warm_up_s is that time."""
+    from flashnext.core.llm import LLM
+
+    llm = LLM(str(tiny_llama), backend="cpu", precision="int4", int4_route="torch")
     kernels = llm.engine.model.kernels
     assert not kernels._expanded
     seconds = llm.warm_up()

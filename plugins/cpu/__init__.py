@@ -15,13 +15,13 @@ from .kernels import EXPANDED_DTYPE, CpuKernels
 
 
 class CpuProfile(Profile):
-    """The core's knobs plus how int4 decode steps run: `onnxruntime` (one graph a step computing from the 4-bit
-    codes, float32 activations: the reference's numbers), `onnxruntime-int8` (the same graph with activations rounded
-    to int8 in blocks as llama.cpp does: faster, but past the conformance suite's int4 logits bound on small random
-    models), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime where it is installed and the model
-    fits the graph); env FLASHNEXT_INT4_DECODE."""
+    """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: `onnxruntime` (one graph computing
+    from the 4-bit codes, float32 activations: the reference's numbers but for the 8-bit LM head's rounding),
+    `onnxruntime-int8` (the same graph with activations rounded to int8 in blocks as llama.cpp does: faster, but past
+    the conformance suite's int4 logits bound), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime
+    where it is installed and the model fits the graph); env FLASHNEXT_INT4_ROUTE."""
 
-    int4_decode: Literal["auto", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
+    int4_route: Literal["auto", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
 
 class CpuBackend(Backend):
@@ -41,7 +41,7 @@ class CpuBackend(Backend):
         facts = {
             "threads": torch.get_num_threads(),
             "memory_available_bytes": psutil.virtual_memory().available,
-            "int4_decode": int4_decode_fact(),
+            "int4_route": int4_route_fact(),
         }
         return Probe(True, 1.0, "the CPU is always there; the lowest score so any accelerator wins", facts)
 
@@ -58,7 +58,7 @@ class CpuBackend(Backend):
     def runner_class(self, profile: Profile):
         from .runner import CpuRunner
 
-        settings = {"int4_decode": getattr(profile, "int4_decode", "auto"), "batch_invariant": profile.batch_invariant}
+        settings = {"int4_route": getattr(profile, "int4_route", "auto"), "batch_invariant": profile.batch_invariant}
         return type("CpuRunner", (CpuRunner,), settings)
 
     def kernels(self, precision):
@@ -77,11 +77,11 @@ class CpuBackend(Backend):
         return "int4" if any(isinstance(w, Int4Weight) for w in weights.values()) else self.default_precision
 
 
-def int4_decode_fact() -> str:
-    """What `auto` runs int4 decode steps through on this machine (for --explain)."""
+def int4_route_fact() -> str:
+    """What `auto` runs int4 steps through on this machine (for --explain)."""
     if importlib.util.find_spec("onnxruntime") is None:
         return "torch (weights expanded to fp16): onnxruntime is not installed"
-    return "onnxruntime MatMulNBits, one graph a step, float32 activations (int4_decode: onnxruntime-int8, torch)"
+    return "onnxruntime MatMulNBits, one graph, float32 activations (int4_route: onnxruntime-int8, torch)"
 
 
 @hookimpl

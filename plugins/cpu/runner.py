@@ -1,21 +1,21 @@
-"""The CPU runner: prefill through the model's torch forward, int4 decode steps through one onnxruntime graph."""
+"""The CPU runner: int4 steps through one onnxruntime graph where the model allows it, else the torch forward."""
 
 import time
 
 import torch
 
-from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInputs
+from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, StepResult
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
 
-from . import ort_decode
+from . import ort_graph
 
 
 class CpuRunner(ModelRunner):
-    """ModelRunner with the KV cache of all layers in one tensor (so the decode graph reads it by one pointer and
-    one index_copy_ stores a step's keys), and decode steps through `OrtDecoder` where the model allows it."""
+    """ModelRunner with the KV cache of all layers in one tensor (so the graph's row cache copies a sequence's
+    positions in with one gather a step), and steps through `OrtModel` where the model allows it."""
 
-    int4_decode = "auto"  # the profile's choices; set on the subclass CpuBackend.runner_class returns
+    int4_route = "auto"  # the profile's choices; set on the subclass CpuBackend.runner_class returns
     batch_invariant = False
     spinning = False  # the graph's thread pool sleeps between ops (a spinning one loses more on a shared machine)
 
@@ -30,36 +30,56 @@ class CpuRunner(ModelRunner):
         self.kv_caches = [
             (self.k_cache[i * n : (i + 1) * n], self.v_cache[i * n : (i + 1) * n]) for i in range(cfg.num_layers)
         ]
-        self.route, self.route_reason = decode_route(self.int4_decode, model, setup.kv_dtype)
-        self.decoder: ort_decode.OrtDecoder | None = None
+        # Slot s of layer l is row s of that layer's [blocks * block_size, kv heads, head dim].
+        slots = n * setup.block_size
+        self.paged = tuple(c.view(cfg.num_layers, slots, *shape[2:]) for c in (self.k_cache, self.v_cache))
+        self.route, self.route_reason = int4_route(self.int4_route, model, setup.kv_dtype)
+        self.graph: ort_graph.OrtModel | None = None
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.route == "torch" or not inputs.is_decode or bool((inputs.meta.slot_mapping < 0).any()):
-            return super().forward(inputs)
-        if self.decoder is None:
+    def step(self, inputs: StepInput) -> StepResult:
+        if self.route == "torch" or inputs.want_hidden:  # the graph hands out logits only
+            return super().step(inputs)
+        step = self.prepare(inputs.batch)
+        model = self.model
+        hidden = model.kernels.embedding(step.input_ids, model.embed)
+        logits = self._graph().step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
+        return StepResult(model.kernels.sample(logits, step.sampling), logits)
+
+    def _graph(self) -> ort_graph.OrtModel:
+        if self.graph is None:
             start = time.perf_counter()
             activations = "int8" if self.route == "onnxruntime-int8" else "fp32"
-            self.decoder = ort_decode.OrtDecoder(
-                self.model, self.setup.num_blocks, torch.get_num_threads(), activations, self.spinning
-            )
+            self.graph = ort_graph.OrtModel(self.model, torch.get_num_threads(), activations, self.spinning)
             self.warm_up_s += time.perf_counter() - start
-        model = self.model
-        hidden = model.kernels.embedding(inputs.input_ids, model.embed)
-        out = self.decoder.step(hidden, inputs.positions, inputs.meta, self.k_cache, self.v_cache)
-        # Slot s of layer l is row l * blocks * block_size + s of the flattened cache.
-        layer_rows = torch.arange(model.config.num_layers) * (self.setup.num_blocks * self.block_size)
-        rows = (inputs.meta.slot_mapping[:, None] + layer_rows).flatten()
-        for cache, new in ((self.k_cache, out.keys), (self.v_cache, out.values)):
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, rows, new.flatten(0, 1))
-        return out.hidden
+        return self.graph
 
 
-def decode_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
-    """(route, why): an onnxruntime route where the graph can run this model's decode steps and the choice allows
-    it; `auto` is `onnxruntime` (float32 activations)."""
+def pieces(batch) -> list[ort_graph.Piece]:
+    """The step's sequences as the graph's pieces, in the order `prepare` laid out their tokens and logits rows."""
+    out, first, logits_first = [], 0, 0
+    for index, item in enumerate(batch):
+        seq = item.seq
+        piece = ort_graph.Piece(
+            owner=seq.arrival_index,
+            index=index,
+            first=first,
+            tokens=item.num_tokens,
+            past=seq.num_computed,
+            logits_first=logits_first,
+            logits=item.num_logits,
+        )
+        out.append(piece)
+        first += item.num_tokens
+        logits_first += item.num_logits
+    return out
+
+
+def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
+    """(route, why): an onnxruntime route where the graph can run this model's steps and the choice allows it;
+    `auto` is `onnxruntime` (float32 activations)."""
     if choice == "torch":
-        return "torch", "int4_decode = torch (profile / FLASHNEXT_INT4_DECODE)"
-    reason = ort_decode.unsupported(model, kv_dtype)
+        return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
+    reason = ort_graph.unsupported(model, kv_dtype)
     if getattr(model, "parallel", None) is not None:  # the graph holds whole layers: no all-reduce between ranks
         reason = "tensor-parallel ranks hold shards of each layer"
     if getattr(model.kernels, "batch_invariant", False):  # onnxruntime's GEMMs block by the number of rows
@@ -67,7 +87,7 @@ def decode_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tup
     if reason is None:
         route = "onnxruntime" if choice == "auto" else choice
         acts = "int8" if route == "onnxruntime-int8" else "float32"
-        return route, f"int4 decode steps through one onnxruntime MatMulNBits graph, {acts} activations"
+        return route, f"int4 steps through one onnxruntime MatMulNBits graph, {acts} activations"
     if choice != "auto":
-        raise UserError(f"int4_decode = {choice} cannot run this model: {reason}; set int4_decode to auto or torch")
-    return "torch", f"decode through torch: {reason}"
+        raise UserError(f"int4_route = {choice} cannot run this model: {reason}; set int4_route to auto or torch")
+    return "torch", f"int4 steps through torch: {reason}"

@@ -1,0 +1,435 @@
+"""Int4 steps through onnxruntime: the whole layer stack and the LM head as one graph that computes from the 4-bit
+codes, for decode steps and prompt chunks alike.
+
+Every projection is a `MatMulNBits` over the Int4Weight's own codes and scales (activations float32, or rounded to
+int8 in blocks as llama.cpp's Q4 x Q8 dot does: ACCURACY_LEVEL); attention is `GroupQueryAttention` (rope, causal
+masking, the call's keys written into the cache in place, grouped heads) over each sequence's own contiguous KV row
+(`RowCache`); the LM head is an 8-bit `MatMulNBits` (blocks of 32, as GGUF's Q8_0 stores it) over the rows whose
+logits are wanted. A step is one session call for all its one-token rows, plus one per longer piece (a prompt chunk,
+a verify step): GroupQueryAttention takes several tokens a row only for one row at a time.
+
+An Int4Weight value is q * scale + offset (q = 0..15); MatMulNBits computes (q - zero_point) * scale with integer
+zero points. Symmetric weights (offset = -8 * scale) are exactly zero point 8. Otherwise the codes run with zero
+point 0 and the offsets are added as a dense product of each group's column sum: sum_g offset_g * sum(x_g).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from flashnext.core.kernels import AttentionMetadata
+from flashnext.core.model import DecoderModel
+from flashnext.core.precision import Int4Weight
+
+# MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
+# fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
+ACCURACY_LEVEL = {"int8": 4, "fp32": 1}
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
+# The LM head as 8-bit codes in blocks of 32 with a scale each (GGUF's Q8_0: a checkpoint that stores its head so
+# is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
+# input so moves logits by up to ~0.1: enough to swap two near-tied tokens. So each row's REFINE_TOP largest logits
+# (picked in the graph) are computed again from the head's own weights in float32, which keeps the argmax exact
+# unless that many tokens lie within twice the rounding of the top.
+HEAD_BLOCK, HEAD_ACCURACY, REFINE_TOP = 32, 4, 16
+MS_DOMAIN = "com.microsoft"
+# Constants this large reach onnxruntime as arrays it reads in place (the Int4Weights' own codes and scales, no copy
+# in the graph's bytes or the session), not serialized into the graph.
+EXTERNAL_BYTES = 1 << 16
+
+
+def unsupported(model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
+    """Why the graph cannot run this model's decode steps (None: it can)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed"
+    if kv_dtype != torch.float32 or model.dtype != torch.float32:
+        return f"the graph reads a float32 KV cache and activations; this engine has {kv_dtype} / {model.dtype}"
+    for layer in model.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(w, Int4Weight):
+                return "the projections are not int4"
+            if w.group_size not in BLOCK_SIZES:
+                return f"int4 group size {w.group_size} is not one MatMulNBits takes ({BLOCK_SIZES})"
+    if model.config.hidden_size % HEAD_BLOCK:
+        return f"the hidden size {model.config.hidden_size} is not a multiple of the LM head's block {HEAD_BLOCK}"
+    return None
+
+
+class RowCache:
+    """Each sequence's keys and values as one contiguous [kv heads, capacity, head dim] row a layer: the layout
+    GroupQueryAttention reads and extends in place. It mirrors the engine's paged cache, which stays the one the
+    torch path, the prefix cache and preemption use: before a call a row copies in the positions it lacks (all of
+    them when it held another sequence), after it the call's new keys and values go out to their paged slots."""
+
+    FIRST_CAPACITY = 256  # positions; doubled as sequences grow (a copy each time, so few)
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int):
+        self.k = self.v = torch.empty(layers, 0, kv_heads, 0, head_dim)
+        self.owner: list[int | None] = []  # the sequence each row holds
+        self.length: list[int] = []  # positions of it the row holds
+        self.version = 0  # bumped when the buffers move (bindings to them are stale)
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Room for `rows` rows of `positions` positions."""
+        layers, have_rows, kv, capacity, d = self.k.shape
+        if rows <= have_rows and positions <= capacity:
+            return
+        capacity = max(capacity, self.FIRST_CAPACITY)
+        while capacity < positions:
+            capacity *= 2
+        shape = (layers, max(rows, have_rows), kv, capacity, d)
+        for name in ("k", "v"):
+            old, new = getattr(self, name), torch.empty(shape)
+            new[:, :have_rows, :, : old.shape[3]] = old
+            setattr(self, name, new)
+        self.owner += [None] * (shape[1] - have_rows)
+        self.length += [0] * (shape[1] - have_rows)
+        self.version += 1
+
+    def place_group(self, owners: list[int]) -> list[int]:
+        """Rows 0 .. len(owners) - 1 for these sequences (GroupQueryAttention reads a batch as consecutive rows): each
+        keeps its row where it already holds one of them, so a batch that loses or gains a sequence moves few."""
+        n = len(owners)
+        self.reserve(n, 1)
+        kept = {o: self.owner.index(o) for o in owners if o in self.owner[:n]}
+        free = iter(r for r in range(n) if r not in kept.values())
+        return [kept[o] if o in kept else self._claim(next(free), o) for o in owners]
+
+    def place_one(self, owner: int, busy: int) -> int:
+        """A row for one sequence outside rows 0 .. busy - 1: the one it holds, else one no sequence holds (one more
+        if none is free)."""
+        if owner in self.owner[busy:]:
+            return self.owner.index(owner, busy)
+        free = [r for r in range(busy, len(self.owner)) if self.owner[r] is None]
+        row = free[0] if free else max(busy, len(self.owner))
+        self.reserve(row + 1, 1)
+        return self._claim(row, owner)
+
+    def release(self, live: set[int]) -> None:
+        """Rows of sequences no longer among `live` are free again."""
+        for r, owner in enumerate(self.owner):
+            if owner is not None and owner not in live:
+                self.owner[r], self.length[r] = None, 0
+
+    def _claim(self, row: int, owner: int) -> int:
+        if owner in self.owner:  # it moves: its old row is free
+            old = self.owner.index(owner)
+            self.owner[old], self.length[old] = None, 0
+        self.owner[row], self.length[row] = owner, 0
+        return row
+
+    def sync(self, row: int, past: int, table: torch.Tensor, paged_k, paged_v, block_size: int) -> None:
+        """The row gets its sequence's first `past` positions from the paged cache ([layers, slots, kv, d]), copying
+        only those it lacks. Positions it holds past `past` are a rejected draft's: dropped."""
+        start = min(self.length[row], past)
+        if start < past:
+            positions = torch.arange(start, past)
+            slots = table[positions // block_size].long() * block_size + positions % block_size
+            for rows, paged in ((self.k, paged_k), (self.v, paged_v)):
+                rows[:, row, :, start:past] = paged[:, slots].transpose(1, 2)
+        self.length[row] = past
+
+    def write_back(self, row: int, past: int, slots: list[int], paged_k, paged_v) -> None:
+        """The call's keys and values (the row's positions past .. past + len(slots) - 1) into their paged slots."""
+        n = len(slots)
+        if n == 1:
+            paged_k[:, slots[0]] = self.k[:, row, :, past]
+            paged_v[:, slots[0]] = self.v[:, row, :, past]
+        else:
+            index = torch.tensor(slots)
+            paged_k[:, index] = self.k[:, row, :, past : past + n].transpose(1, 2)
+            paged_v[:, index] = self.v[:, row, :, past : past + n].transpose(1, 2)
+        self.length[row] = past + n
+
+
+@dataclass
+class Piece:
+    """One sequence's part of a step: its tokens' rows in the step's flat inputs and logits."""
+
+    owner: int  # tells sequences apart (the engine's arrival index)
+    index: int  # its sequence's place in the step (its row of the block tables)
+    first: int  # its first token's row in the step's inputs
+    tokens: int
+    past: int  # positions already in the cache
+    logits_first: int  # its first logits row in the step's logits
+    logits: int  # trailing tokens whose logits are wanted
+
+
+class OrtModel:
+    """One onnxruntime session running every layer and the LM head over a step's tokens."""
+
+    def __init__(self, model: DecoderModel, threads: int, activations: str = "fp32", spinning: bool = False):
+        import onnxruntime as ort
+
+        cfg = model.config
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        options.log_severity_level = 3
+        options.enable_cpu_mem_arena = False  # a step's activations are small; an arena only keeps freed weights copies
+        builder = GraphBuilder(model, ACCURACY_LEVEL[activations])
+        graph = builder.build().SerializeToString()
+        # Kept for the session's life: it reads these arrays, most of them views of the model's own tensors.
+        self.weights = builder.external
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
+        options.add_external_initializers(list(self.weights), self._values)
+        self.head_rows = head_weight(model).numpy()
+        self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        self.layers, self.vocab = cfg.num_layers, cfg.vocab_size
+        self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.rope_outside = cfg.qk_norm  # the graph's own rope op then takes the positions
+        # One binding for the step's one-token rows, one for a longer piece: each binds the cache rows again only
+        # when its rows or the buffers changed.
+        self.bindings = {kind: [self.session.io_binding(), None] for kind in ("group", "one")}
+
+    def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
+        """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
+        `paged` is the engine's (keys, values) cache as [layers, slots, kv, d]."""
+        logits = torch.empty(sum(p.logits for p in pieces), self.vocab)
+        self.rows.release({p.owner for p in pieces})
+        group = [p for p in pieces if p.tokens == 1]
+        rows = self.rows.place_group([p.owner for p in group]) if group else []
+        if group:
+            order = sorted(range(len(group)), key=rows.__getitem__)  # batch row i is cache row i
+            self._call([group[i] for i in order], 0, "group", hidden, meta, paged, block_size, logits)
+        for piece in pieces:
+            if piece.tokens > 1:
+                row = self.rows.place_one(piece.owner, len(group))
+                self._call([piece], row, "one", hidden, meta, paged, block_size, logits)
+        return logits
+
+    def _call(self, pieces, first_row, kind, hidden, meta, paged, block_size, logits) -> None:
+        """One session call: `pieces` in cache rows first_row, first_row + 1, ... (one piece if it has several
+        tokens)."""
+        n, tokens = len(pieces), pieces[0].tokens
+        self.rows.reserve(first_row + n, max(p.past + p.tokens for p in pieces))
+        token_rows = torch.cat([torch.arange(p.first, p.first + p.tokens) for p in pieces])
+        # Each piece's last `logits` rows (at least one, so no call asks for none; the extra row is dropped).
+        wanted = [r for i, p in enumerate(pieces) for r in range((i + 1) * tokens - max(p.logits, 1), (i + 1) * tokens)]
+        for i, p in enumerate(pieces):
+            self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
+        inputs = {
+            "hidden": hidden[token_rows].contiguous(),
+            "batch_shape": torch.tensor([n, tokens, -1]),
+            "seqlens": torch.tensor([p.past + tokens - 1 for p in pieces], dtype=torch.int32),
+            "total": torch.tensor(max(p.past for p in pieces) + tokens, dtype=torch.int32),
+            "logit_rows": torch.tensor(wanted),
+        }
+        if self.rope_outside:
+            inputs["positions"] = torch.cat([torch.arange(p.past, p.past + tokens) for p in pieces]).view(-1, 1)
+        out, normed = torch.empty(len(wanted), self.vocab), torch.empty(len(wanted), hidden.shape[1])
+        top = torch.empty(len(wanted), min(REFINE_TOP, self.vocab), dtype=torch.int64)
+        binding = self._bound(kind, first_row, n)
+        for name, t in inputs.items():
+            binding.bind_input(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        for name, t in (("logits", out), ("normed", normed), ("top", top)):
+            binding.bind_output(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(binding)
+        self._refine(out, normed, top)
+        start = 0
+        for i, p in enumerate(pieces):
+            slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
+            self.rows.write_back(first_row + i, p.past, slots, *paged)
+            if p.logits:
+                logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
+            start += max(p.logits, 1)
+
+    def _refine(self, logits: torch.Tensor, normed: torch.Tensor, top: torch.Tensor) -> None:
+        """The `top` logits of each row again, from the head's weights in float32. In numpy: one thread, so no pool
+        wakes up between the session's calls for a few microseconds of work."""
+        values, x, top = logits.numpy(), normed.numpy(), top.numpy()
+        exact = np.einsum("rh,rth->rt", x, self.head_rows[top].astype(np.float32))
+        np.put_along_axis(values, top, exact, axis=1)
+
+    def _bound(self, kind: str, first_row: int, n: int):
+        """The binding of `kind` with each layer's past and present keys / values on the same cache rows (the call
+        writes its keys and values there in place)."""
+        binding, key = self.bindings[kind]
+        if key != (first_row, n, self.rows.version):
+            for i in range(self.layers):
+                for name, cache in (("k", self.rows.k), ("v", self.rows.v)):
+                    run = cache[i, first_row : first_row + n]
+                    args = ("cpu", 0, np.float32, tuple(run.shape), run.data_ptr())
+                    binding.bind_input(f"past_{name}_{i}", *args)
+                    binding.bind_output(f"present_{name}_{i}", *args)
+            self.bindings[kind][1] = (first_row, n, self.rows.version)
+        return binding
+
+
+def head_weight(model: DecoderModel) -> torch.Tensor:
+    """The LM head's weights as the model keeps them (the tied embedding keeps a GGUF's values in fp32)."""
+    tied = model.config.tie_word_embeddings and model.lm_head.shape == model.embed.shape
+    return model.embed if tied else model.lm_head
+
+
+_NP = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}
+
+
+class GraphBuilder:
+    """Writes the graph node by node (onnx.helper), weights as initializers. Activations are [tokens, width]
+    ([B, S, width] around GroupQueryAttention), so onnxruntime fuses each offset term's product and sum into a Gemm."""
+
+    def __init__(self, model: DecoderModel, accuracy_level: int):
+        self.model, self.cfg = model, model.config
+        self.accuracy_level = accuracy_level
+        self.nodes, self.inits, self._n, self._group_ones = [], [], 0, {}
+        self.external: dict[str, np.ndarray] = {}
+
+    def name(self, stem: str) -> str:
+        self._n += 1
+        return f"{stem}_{self._n}"
+
+    def op(self, op_type: str, inputs: list[str], outputs: int = 1, domain: str = "", **attrs) -> list[str]:
+        names = [self.name(op_type) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=self.name("n"), domain=domain, **attrs))
+        return names
+
+    def one(self, op_type: str, inputs: list[str], **attrs) -> str:
+        return self.op(op_type, inputs, **attrs)[0]
+
+    def const(self, array: np.ndarray, stem: str = "c") -> str:
+        name, array = self.name(stem), np.ascontiguousarray(array)
+        if array.nbytes < EXTERNAL_BYTES:
+            self.inits.append(numpy_helper.from_array(array, name))
+            return name
+        self.external[name] = array  # the graph names it; onnxruntime is handed the array itself
+        tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        tensor.data_location = TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=name)
+        self.inits.append(tensor)
+        return name
+
+    def ints(self, *values: int) -> str:
+        return self.const(np.array(values, dtype=np.int64), "shape")
+
+    def rmsnorm(self, x: str, weight: torch.Tensor) -> str:
+        w = self.const(weight.float().numpy(), "norm")
+        return self.one("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=self.cfg.rms_norm_eps)
+
+    def add_rmsnorm(self, x: str, residual: str, weight: torch.Tensor) -> tuple[str, str]:
+        """(rmsnorm(x + residual), x + residual)."""
+        w = self.const(weight.float().numpy(), "norm")
+        normed, _, _, total = self.op(
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, w],
+            outputs=4,
+            domain=MS_DOMAIN,
+            epsilon=self.cfg.rms_norm_eps,
+        )
+        return normed, total
+
+    def linear(self, x: str, w: Int4Weight, bias: torch.Tensor | None = None) -> str:
+        n, k = w.shape
+        g = w.group_size
+        codes = self.const(w.packed.reshape(n, k // g, g // 2).numpy(), "codes")
+        scales = self.const(w.scales.float().reshape(-1).numpy(), "scales")
+        symmetric = bool(torch.equal(w.offsets.float(), -8.0 * w.scales.float()))
+        inputs = [x, codes, scales]
+        if not symmetric:  # zero point 0: the codes' own value; the offsets follow as a dense term
+            inputs.append(self.const(np.zeros((n, -(-(k // g) // 2)), dtype=np.uint8), "zero"))
+        attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=self.accuracy_level)
+        y = self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
+        if not symmetric:  # [B, K] @ [K, groups] of ones: each group's column sum
+            sums = self.one("MatMul", [x, self.group_ones(k, g)])
+            y = self.one("Add", [y, self.one("MatMul", [sums, self.const(w.offsets.float().T.numpy(), "offsets")])])
+        if bias is not None:
+            y = self.one("Add", [y, self.const(bias.float().numpy(), "bias")])
+        return y
+
+    def group_ones(self, k: int, g: int) -> str:
+        if (k, g) not in self._group_ones:
+            ones = np.kron(np.eye(k // g, dtype=np.float32), np.ones((g, 1), dtype=np.float32))
+            self._group_ones[(k, g)] = self.const(ones, "group_ones")
+        return self._group_ones[(k, g)]
+
+    def head(self, x: str) -> str:
+        """The LM head over x as 8-bit codes: per block of HEAD_BLOCK inputs, scale = largest |w| / 127, codes
+        round(w / scale) + 128 (zero point 128). A Q8_0 head (its largest code 127 a block) comes back exactly."""
+        w = head_weight(self.model).float()
+        n, k = w.shape
+        blocks = w.reshape(n, k // HEAD_BLOCK, HEAD_BLOCK)
+        scales = blocks.abs().amax(-1) / 127
+        codes = torch.where(scales[..., None] > 0, blocks / scales.clamp_min(1e-30)[..., None], 0).round() + 128
+        attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
+        inputs = [x, self.const(codes.to(torch.uint8).numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")]
+        return self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
+
+    def layer(self, i: int, residual: str, hidden: str | None) -> tuple[str, str]:
+        cfg, w = self.cfg, self.model.layers[i]
+        d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        if hidden is None:
+            x = self.rmsnorm(residual, w.input_norm)
+        else:
+            x, residual = self.add_rmsnorm(hidden, residual, w.input_norm)
+        qkv = self.linear(x, w.qkv, w.qkv_bias)
+        if cfg.qk_norm:  # per-head norms before the rope, which then runs here too
+            qkv = self.one("Reshape", [qkv, self.ints(0, heads + 2 * kv, d)])
+            q, key, value = self.op("Split", [qkv, self.ints(heads, kv, kv)], outputs=3, axis=1)
+            q, key = self.rmsnorm(q, w.q_norm), self.rmsnorm(key, w.k_norm)
+            # Each token as a sequence of one at its own position ([T, 1, width], positions [T, 1]).
+            qk = self.one("Reshape", [self.one("Concat", [q, key], axis=1), self.ints(0, 1, (heads + kv) * d)])
+            rope = [qk, "positions", self.cos, self.sin]
+            qk = self.one("RotaryEmbedding", rope, domain=MS_DOMAIN, num_heads=heads + kv)
+            qkv = self.one("Concat", [qk, self.one("Reshape", [value, self.ints(0, 1, kv * d)])], axis=-1)
+        qkv = self.one("Reshape", [qkv, "batch_shape"])  # [B, S, width]: a call's rows are B pieces of S tokens
+        attn, _, _ = self.op(
+            "GroupQueryAttention",
+            [qkv, "", "", f"past_k_{i}", f"past_v_{i}", "seqlens", "total", self.cos, self.sin],
+            outputs=3,
+            domain=MS_DOMAIN,
+            num_heads=heads,
+            kv_num_heads=kv,
+            do_rotary=int(not cfg.qk_norm),
+            scale=d**-0.5,
+        )
+        self.nodes[-1].output[1:] = [f"present_k_{i}", f"present_v_{i}"]
+        attn = self.linear(self.one("Reshape", [attn, self.ints(-1, heads * d)]), w.o)
+        x, residual = self.add_rmsnorm(attn, residual, w.post_norm)
+        gate, up = self.op("Split", [self.linear(x, w.gate_up)], outputs=2, axis=-1, num_outputs=2)
+        act = self.one("Mul", [self.one("Mul", [gate, self.one("Sigmoid", [gate])]), up])
+        return residual, self.linear(act, w.down)
+
+    def build(self):
+        cfg = self.cfg
+        cos, sin = self.model.cos_sin.float().chunk(2, dim=-1)
+        self.cos, self.sin = self.const(cos.contiguous().numpy(), "cos"), self.const(sin.contiguous().numpy(), "sin")
+        residual, hidden = "hidden", None
+        for i in range(cfg.num_layers):
+            residual, hidden = self.layer(i, residual, hidden)
+        out, _ = self.add_rmsnorm(hidden, residual, self.model.norm)
+        wanted = self.one("Gather", [out, "logit_rows"], axis=0)
+        self.nodes.append(helper.make_node("Identity", [wanted], ["normed"]))
+        logits = self.head(wanted)
+        self.nodes.append(helper.make_node("Identity", [logits], ["logits"]))
+        top = self.op("TopK", [logits, self.ints(min(REFINE_TOP, cfg.vocab_size))], outputs=2, axis=-1)[1]
+        self.nodes.append(helper.make_node("Identity", [top], ["top"]))
+        f32, i32 = TensorProto.FLOAT, TensorProto.INT32
+        kv, d = cfg.num_kv_heads, cfg.head_dim
+        run = ["batch", kv, "capacity", d]
+        i64 = TensorProto.INT64
+        inputs = [
+            helper.make_tensor_value_info("hidden", f32, ["tokens", cfg.hidden_size]),
+            helper.make_tensor_value_info("batch_shape", i64, [3]),  # (B, S, -1): B pieces of S tokens
+            helper.make_tensor_value_info("seqlens", i32, ["batch"]),  # positions a piece will have, minus one
+            helper.make_tensor_value_info("total", i32, []),
+            helper.make_tensor_value_info("logit_rows", i64, ["wanted"]),
+        ]
+        if cfg.qk_norm:
+            inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
+        outputs = [
+            helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size]),
+            helper.make_tensor_value_info("normed", f32, ["wanted", cfg.hidden_size]),
+            helper.make_tensor_value_info("top", i64, ["wanted", min(REFINE_TOP, cfg.vocab_size)]),
+        ]
+        for i in range(cfg.num_layers):
+            for kind in ("k", "v"):
+                inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", f32, run))
+                outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", f32, run))
+        graph = helper.make_graph(self.nodes, "flashnext_int4", inputs, outputs, self.inits)
+        opsets = [helper.make_opsetid("", 18), helper.make_opsetid(MS_DOMAIN, 1)]
+        return helper.make_model(graph, opset_imports=opsets, ir_version=9)

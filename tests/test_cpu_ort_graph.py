@@ -1,0 +1,264 @@
+"""Int4 decode steps through the onnxruntime graph against the torch path: numerics, batches, threads, the switch."""
+
+import pytest
+import torch
+
+from flashnext.core.engine.engine import LLMEngine
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
+from flashnext.core.errors import UserError
+from flashnext.core.llm import resolve_profile
+from flashnext.core.loader import load_model
+from flashnext.plugins.cpu import CpuBackend, int4_route_fact
+from flashnext.plugins.cpu.ort_graph import RowCache
+
+pytest.importorskip("onnxruntime")
+
+
+def engine_for(loaded, route: str, precision: str = "int4", **overrides) -> LLMEngine:
+    backend = CpuBackend()
+    settings = dict(int4_route=route, kv_cache_max_gib=0.02, prefix_caching=False) | overrides
+    profile = backend.profiles()["full"].overridden(**settings)
+    return LLMEngine(backend, loaded, precision, profile)
+
+
+def step_logits(engine: LLMEngine, prompts: list[list[int]], steps: int, forced=None) -> list[torch.Tensor]:
+    """Logits [B, vocab] of each prompt's last position, then of `steps` decode steps of the whole batch. The token
+    fed back after step i is forced[i][b] where given (so two routes see the same inputs), else the greedy one."""
+    seqs = [Sequence(list(p), SamplingParams()) for p in prompts]
+    last = []
+    for seq in seqs:
+        engine.blocks.grow(seq, len(seq.token_ids) + steps)
+        last.append(engine.runner.run([ScheduledSeq(seq, len(seq.token_ids), 1)])[0][-1])
+        seq.num_computed = len(seq.token_ids)
+    out = [torch.stack(last)]
+    for step in range(steps):
+        for i, seq in enumerate(seqs):
+            seq.token_ids.append(forced[step][i] if forced else int(out[-1][i].argmax()))
+            seq.num_computed = len(seq.token_ids) - 1
+        out.append(engine.runner.run([ScheduledSeq(seq, 1, 1) for seq in seqs])[0])
+    for seq in seqs:
+        engine.blocks.free_sequence(seq)
+    return out
+
+
+def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
+    return [step.argmax(-1).tolist() for step in logits]
+
+
+def nmse(out, ref) -> float:
+    return ((out - ref) ** 2).mean().item() / (ref**2).mean().item()
+
+
+# Decode logits against the torch route's: float32 activations at the reference's rounding; int8 ones (blocks of the
+# group size) at what that rounding adds on these random models, past the suite's 1e-3 int4 engine bound.
+BOUNDS = {"onnxruntime": 1e-3, "onnxruntime-int8": 4e-3}
+
+
+def compare_routes(loaded, prompts, route="onnxruntime", steps=4, bound=None):
+    """An onnxruntime route's decode logits against the torch route's, step by step on the same tokens."""
+    bound = bound or BOUNDS[route]
+    ref = step_logits(engine_for(loaded, "torch"), prompts, steps)
+    engine = engine_for(loaded, route)
+    assert engine.runner.route == route
+    got = step_logits(engine, prompts, steps, forced=greedy(ref))
+    assert engine.runner.graph is not None  # the steps really ran through the graph
+    for a, b in zip(got, ref):  # the prompt's last logits, then each decode step's
+        assert torch.isfinite(a).all()
+        assert 0 < nmse(a, b) < bound, f"NMSE {nmse(a, b):.2e}"
+    return got
+
+
+@pytest.fixture(scope="module")
+def q4_1_llama(tmp_path_factory):
+    from fixtures import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("q41") / "tiny.gguf", qtype="Q4_1")
+    return load_model(str(path))
+
+
+@pytest.mark.parametrize("route", BOUNDS)
+def test_asymmetric_q4_1_codes_decode_near_the_torch_route(q4_1_llama, route):
+    # Q4_1 groups carry an offset: the codes run with zero point 0 plus the dense offset term.
+    compare_routes(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11]], route)
+
+
+@pytest.mark.parametrize("route", BOUNDS)
+def test_symmetric_int4_with_qk_norm_decodes_near_the_torch_route(tiny_qwen3, route):
+    compare_routes(load_model(str(tiny_qwen3)), [list(range(3, 20))], route)
+
+
+def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama):
+    clean = step_logits(engine_for(q4_1_llama, "onnxruntime"), [[5, 6, 7]], 2)
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    engine.runner.k_cache.fill_(float("nan"))  # memory the allocator handed over holds anything
+    engine.runner.v_cache.fill_(float("nan"))
+    rows = engine.runner._graph().rows
+    rows.reserve(2, 8)
+    rows.k.fill_(float("nan"))
+    rows.v.fill_(float("nan"))
+    dirty = step_logits(engine, [[5, 6, 7]], 2, forced=greedy(clean))
+    for a, b in zip(dirty, clean):
+        assert torch.equal(a, b)
+
+
+def paged_cache(layers=2, slots=64, kv=3, d=4):
+    k = torch.randn(layers, slots, kv, d)
+    return k, torch.randn_like(k)
+
+
+def test_the_row_cache_copies_in_what_a_row_lacks_and_writes_the_call_back():
+    paged_k, paged_v = paged_cache()
+    rows = RowCache(2, 3, 4)
+    rows.reserve(2, 12)
+    assert rows.place_group([7, 9]) == [0, 1]
+    rows.sync(0, 10, torch.tensor([3, 1, -1]), paged_k, paged_v, 8)  # blocks of 8 slots
+    rows.sync(1, 4, torch.tensor([0, 2, -1]), paged_k, paged_v, 8)
+    slots = [24 + p for p in range(8)] + [8, 9]  # sequence 7: block 3, then block 1
+    assert torch.equal(rows.k[:, 0, :, :10], paged_k[:, slots].transpose(1, 2))
+    assert torch.equal(rows.v[:, 1, :, :4], paged_v[:, :4].transpose(1, 2))
+    rows.k[:, 0, :, 10] = 1.5  # what the call's attention wrote in place at position 10
+    rows.v[:, 1, :, 4:7] = 2.5  # and three positions of a longer piece
+    rows.write_back(0, 10, [10], paged_k, paged_v)
+    rows.write_back(1, 4, [4, 5, 16], paged_k, paged_v)
+    assert (paged_k[:, 10] == 1.5).all() and (paged_v[:, [4, 5, 16]] == 2.5).all()
+    assert rows.length[:2] == [11, 7]
+
+
+def test_the_row_cache_copies_only_new_positions_and_everything_for_another_sequence():
+    paged_k, paged_v = paged_cache()
+    table = torch.tensor([0, 1])
+    rows = RowCache(2, 3, 4)
+    rows.reserve(1, 16)
+    rows.place_group([7])
+    rows.sync(0, 5, table, paged_k, paged_v, 8)
+    rows.k[:, 0, :, :5] = 0.0  # a copy of position < 5 from here on would show
+    paged_k[:, 5:9] = 4.0  # positions computed since through another row or the torch path
+    rows.sync(0, 9, table, paged_k, paged_v, 8)
+    assert (rows.k[:, 0, :, :5] == 0).all() and (rows.k[:, 0, :, 5:9] == 4).all()
+    rows.sync(0, 3, table, paged_k, paged_v, 8)  # a rejected draft's positions past 3 are dropped, not copied
+    assert rows.length[0] == 3 and (rows.k[:, 0, :, :3] == 0).all()
+    rows.place_group([8])  # another sequence in that row: all of it again
+    rows.sync(0, 9, table, paged_k, paged_v, 8)
+    assert torch.equal(rows.k[:, 0, :, :9], paged_k[:, :9].transpose(1, 2))
+
+
+def test_a_batch_keeps_its_rows_when_a_sequence_leaves_and_pieces_go_past_it():
+    rows = RowCache(1, 1, 2)
+    assert rows.place_group([1, 2, 3]) == [0, 1, 2]
+    rows.length[:3] = [5, 6, 7]
+    rows.release({1, 3, 4})  # 2 finished
+    assert rows.place_group([1, 3]) == [0, 1]  # 3 moves into 2's row: only it copies again
+    assert rows.length[:2] == [5, 0]
+    assert rows.place_one(4, busy=2) == 2  # a prompt chunk takes a row past the batch's
+    assert rows.place_one(4, busy=2) == 2  # and keeps it for its next chunk
+    assert rows.place_group([1, 3, 4]) == [0, 1, 2]  # it joins the batch where it is
+    assert rows.place_one(5, busy=3) == 3  # no free row past the batch: one more
+
+
+def test_the_row_cache_grows_by_doubling_and_keeps_what_it_held():
+    rows = RowCache(1, 1, 2)
+    rows.reserve(1, 3)
+    rows.k[0, 0, 0, :3] = torch.arange(6.0).view(3, 2)
+    version = rows.version
+    rows.reserve(1, RowCache.FIRST_CAPACITY)
+    assert rows.version == version  # nothing moved
+    rows.reserve(3, RowCache.FIRST_CAPACITY + 1)
+    assert rows.version == version + 1
+    assert rows.k.shape == (1, 3, 1, 2 * RowCache.FIRST_CAPACITY, 2)
+    assert torch.equal(rows.k[0, 0, 0, :3], torch.arange(6.0).view(3, 2))
+    assert rows.owner == [None, None, None] and rows.length == [0, 0, 0]
+
+
+def test_batches_that_change_between_steps_decode_like_the_torch_route(q4_1_llama):
+    """Rows are reassigned when sequences leave, join or change places, and a sequence grows past the row cache's
+    first capacity: each step's logits stay the torch route's."""
+    prompts = [list(range(5, 5 + n)) for n in (3, 9, RowCache.FIRST_CAPACITY - 2)]
+    schedule = [[0, 1, 2], [2, 0], [1, 2, 0], [1], [0, 1, 2], [2], [2]]
+
+    def run(route):
+        engine = engine_for(q4_1_llama, route, kv_cache_max_gib=0.05)
+        seqs = [Sequence(list(p), SamplingParams()) for p in prompts]
+        for seq in seqs:
+            engine.blocks.grow(seq, len(seq.token_ids) + len(schedule))
+            engine.runner.run([ScheduledSeq(seq, len(seq.token_ids), 1)])
+            seq.num_computed = len(seq.token_ids)
+        out = []
+        for step, rows in enumerate(schedule):
+            for i in rows:
+                seqs[i].token_ids.append(100 + 7 * step + i)
+                seqs[i].num_computed = len(seqs[i].token_ids) - 1
+            out.append(engine.runner.run([ScheduledSeq(seqs[i], 1, 1) for i in rows])[0])
+        return out, engine
+
+    want, _ = run("torch")
+    got, engine = run("onnxruntime")
+    assert engine.runner.graph is not None
+    assert engine.runner.graph.rows.k.shape[3] == 2 * RowCache.FIRST_CAPACITY  # it grew
+    for a, b in zip(got, want):
+        assert nmse(a, b) < BOUNDS["onnxruntime"]
+
+
+def test_a_batch_of_different_lengths_decodes_like_each_sequence_alone(q4_1_llama):
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]  # one, two and three blocks of 16
+    together = compare_routes(q4_1_llama, prompts, steps=3)
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    for i, prompt in enumerate(prompts):
+        alone = step_logits(engine, [prompt], 3, forced=[[t[i]] for t in greedy(together)])
+        for a, b in zip(alone[1:], together[1:]):
+            assert nmse(a[0], b[i]) < 1e-5
+
+
+def test_the_graph_runs_on_the_engines_thread_count_and_pool_setting(q4_1_llama):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine = engine_for(q4_1_llama, "onnxruntime")
+        step_logits(engine, [[5, 6, 7]], 1)
+        options = engine.runner.graph.session.get_session_options()
+        assert options.intra_op_num_threads == 1
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_default_model_generates_the_torch_routes_greedy_tokens():
+    """float32 activations keep the torch route's tokens; int8 ones (llama.cpp's rounding) are only checked near."""
+    loaded = load_model(None)
+    prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a")]
+    compare_routes(loaded, prompts[:1], "onnxruntime", steps=4)
+    compare_routes(loaded, prompts[:1], "onnxruntime-int8", steps=4, bound=0.05)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.output_ids for o in engine_for(loaded, "torch").generate(prompts, params)]
+    assert [o.output_ids for o in engine_for(loaded, "onnxruntime").generate(prompts, params)] == want
+
+
+def test_auto_picks_onnxruntime_for_int4_and_torch_for_other_precisions(q4_1_llama):
+    assert engine_for(q4_1_llama, "auto").runner.route == "onnxruntime"
+    assert "onnxruntime" in int4_route_fact()
+    fp32 = engine_for(q4_1_llama, "auto", precision="fp32").runner
+    assert fp32.route == "torch" and "not int4" in fp32.route_reason
+    assert engine_for(q4_1_llama, "torch").runner.route == "torch"
+
+
+def test_batch_invariance_keeps_decode_on_the_torch_route(q4_1_llama):
+    """onnxruntime's GEMM blocking follows the row count, so a batch-invariant engine decodes through torch, and an
+    explicit onnxruntime route is refused with the reason."""
+    runner = engine_for(q4_1_llama, "auto", batch_invariant=True).runner
+    assert runner.route == "torch" and "batch_invariant" in runner.route_reason
+    with pytest.raises(UserError, match="int4_route = onnxruntime cannot run this model: batch_invariant"):
+        engine_for(q4_1_llama, "onnxruntime", batch_invariant=True)
+
+
+def test_asking_for_onnxruntime_where_it_cannot_run_names_the_reason(q4_1_llama):
+    with pytest.raises(UserError, match="int4_route = onnxruntime cannot run this model: the projections are not"):
+        engine_for(q4_1_llama, "onnxruntime", precision="fp32")
+
+
+def test_the_route_is_an_env_setting(monkeypatch):
+    monkeypatch.setenv("FLASHNEXT_INT4_ROUTE", "torch")
+    assert resolve_profile(CpuBackend(), None, {}).int4_route == "torch"
+    monkeypatch.setenv("FLASHNEXT_INT4_ROUTE", "fast")
+    with pytest.raises(UserError, match="int4_route"):
+        resolve_profile(CpuBackend(), None, {})
