@@ -8,8 +8,13 @@ a request x batch / time from the first step that returned tokens to the last. M
 average before and after; compare routes within one run only. `--busy` keeps one core busy with another process
 (a Python busy loop) throughout, to show what a loaded neighbour costs each route.
 
+`--numerics` measures instead how far each route's logits are from the exact int4 model (the Q4_1 weights
+dequantized to fp32, fp32 activations: precision fp32 on the same file): three prompts, their last position and
+then 8 teacher-forced decode steps, mean and largest NMSE, and how often the greedy token differs.
+
     python benchmarks/bench_cpu_decode_routes.py --threads 1,2 --rounds 5 --json out.json
     python benchmarks/bench_cpu_decode_routes.py --threads 2 --busy --json out_busy.json
+    python benchmarks/bench_cpu_decode_routes.py --numerics --routes torch,onnxruntime,onnxruntime-int8
 """
 
 import argparse
@@ -24,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
 from flashnext.core.loader import load_model
 
@@ -41,15 +47,16 @@ def parse_args(argv=None):
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--busy", action="store_true", help="keep one core busy with a busy-loop process")
+    p.add_argument("--numerics", action="store_true", help="logits against the exact int4 model instead of speed")
     p.add_argument("--json", dest="json_path", help="write the rows here")
     return p.parse_args(argv)
 
 
-def engine_for(loaded, route: str, threads: int, max_len: int, batch: int):
+def engine_for(loaded, route: str, threads: int, max_len: int, batch: int, precision: str = "int4"):
     llm = LLM(
         loaded,
         backend="cpu",
-        precision="int4",
+        precision=precision,
         threads=threads,
         int4_route=route.removesuffix("-spin"),
         max_model_len=max_len,
@@ -76,11 +83,17 @@ def main(argv=None):
     args = parse_args(argv)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        rows = run(args)
+        rows = numerics(args) if args.numerics else run(args)
     finally:
         if busy is not None:
             busy.kill()
     for r in rows:
+        if args.numerics:
+            print(
+                f"{r['route']:>17}: logits NMSE vs exact int4 mean {r['nmse_mean']:.1e} max {r['nmse_max']:.1e}, "
+                f"greedy token differs at {r['greedy_differs']} of {r['positions']} positions"
+            )
+            continue
         print(
             f"threads {r['threads']} batch {r['batch']} {r['route']:>17}: decode {r['decode_tok_s']:.1f} tok/s "
             f"(rounds {', '.join(f'{x:.1f}' for x in r['rounds'])}), ×torch {r.get('vs_torch', float('nan')):.2f}"
@@ -134,6 +147,48 @@ def run(args) -> list[dict]:
         "logical_cpus": os.cpu_count(),
     }
     return [meta | r for r in rows]
+
+
+NUMERICS_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village")
+
+
+def numerics(args, steps: int = 8) -> list[dict]:
+    """Each route's logits against the exact int4 model's, on the exact model's greedy tokens."""
+    loaded = load_model(None)
+    prompts = [loaded.tokenizer.encode(t) for t in NUMERICS_PROMPTS]
+    exact_engine = engine_for(loaded, "torch", torch.get_num_threads(), 256, 1, precision="fp32")
+    exact = [teacher_forced(exact_engine, p, steps) for p in prompts]
+    rows = []
+    for route in args.routes.split(","):
+        engine = engine_for(loaded, route, torch.get_num_threads(), 256, 1)
+        errors, differs = [], 0
+        for prompt, want in zip(prompts, exact):
+            got = teacher_forced(engine, prompt, steps, [int(x.argmax()) for x in want])
+            errors += [float(((a - b) ** 2).mean() / (b**2).mean()) for a, b in zip(got, want)]
+            differs += sum(int(a.argmax() != b.argmax()) for a, b in zip(got, want))
+        rows.append(
+            {
+                "route": route,
+                "nmse_mean": statistics.mean(errors),
+                "nmse_max": max(errors),
+                "greedy_differs": differs,
+                "positions": len(errors),
+            }
+        )
+    return rows
+
+
+def teacher_forced(engine, prompt: list[int], steps: int, tokens: list[int] | None = None) -> list[torch.Tensor]:
+    """Logits of the prompt's last position, then of `steps` decode steps fed `tokens` (else the greedy ones)."""
+    seq = Sequence(list(prompt), SamplingParams())
+    engine.blocks.grow(seq, len(prompt) + steps)
+    out = [engine.runner.run([ScheduledSeq(seq, len(prompt), 1)])[0][0]]
+    for step in range(steps):
+        seq.num_computed = len(seq.token_ids)
+        seq.token_ids.append(tokens[step] if tokens else int(out[-1].argmax()))
+        out.append(engine.runner.run([ScheduledSeq(seq, 1, 1)])[0][0])
+    engine.blocks.free_sequence(seq)
+    return out
 
 
 def _onnxruntime_version() -> str | None:
