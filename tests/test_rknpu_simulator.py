@@ -63,9 +63,15 @@ def test_simulator_sessions_give_onnxruntime_outputs_and_build_each_graph_once(r
 @pytest.mark.parametrize(
     "fault, message",
     [
-        ("build", r"decode.onnx: rknn-toolkit2 simulator load failed: RuntimeError: build returned -1 .*; its log: "),
-        ("init_runtime", r"decode.onnx: rknn-toolkit2 simulator load failed: RuntimeError: init_runtime returned -1"),
-        ("inference", r"prefill.onnx: rknn-toolkit2 simulator run failed: RuntimeError: inference returned None"),
+        (
+            "build",
+            r"decode.onnx: rknn-toolkit2 2.5.0 simulator load failed: RuntimeError: build returned -1 .*; its log: ",
+        ),
+        (
+            "init_runtime",
+            r"decode.onnx: rknn-toolkit2 2.5.0 simulator load failed: RuntimeError: init_runtime returned -1",
+        ),
+        ("inference", r"prefill.onnx: rknn-toolkit2 2.5.0 simulator run failed: RuntimeError: inference returned None"),
         (
             "crash",
             r"rknn-toolkit2 worker \(.*python\) exited with code 139 while run of .*prefill.onnx; its last line: "
@@ -110,6 +116,7 @@ def test_the_default_profile_is_the_simulator_where_a_toolkit_python_is_set(rknp
     assert backend.profiles()["onnxruntime"].executed_on() == "onnxruntime on the CPU (fp32)"
 
 
+@pytest.mark.slow  # a conformance run in a subprocess
 def test_conformance_says_where_its_engine_cases_ran(tmp_path):
     python = fake_python(tmp_path / "venv")
     env = env_with([], FLASHNEXT_RKNN_TOOLKIT_PYTHON=python)

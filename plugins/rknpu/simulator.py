@@ -37,12 +37,7 @@ def graph_key(onnx_path: Path) -> str:
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     files = sorted(
-        {
-            entry.value
-            for tensor in model.graph.initializer
-            for entry in tensor.external_data
-            if entry.key == "location"
-        }
+        {entry.value for tensor in model.graph.initializer for entry in tensor.external_data if entry.key == "location"}
     )
     digest = hashlib.sha256(onnx_path.read_bytes())
     for name in files:
@@ -61,7 +56,7 @@ class ToolkitWorker:
                 f"{TOOLKIT_PYTHON_ENV}={python}: no such file; point it at the python of a venv with "
                 "rknn-toolkit2 (benchmarks/rknn_simulate.sh makes .venv-rknn) or set it empty for onnxruntime"
             )
-        self.python, self.failed = python, False
+        self.python, self.failed, self.toolkit = python, False, "rknn-toolkit2"
         self.lock = threading.Lock()
         with tempfile.NamedTemporaryFile(prefix="flashnext-rknn-toolkit-", suffix=".log", delete=False) as log:
             self.log = Path(log.name)
@@ -88,7 +83,7 @@ class ToolkitWorker:
         if not reply["ok"]:
             self.failed = True
             raise NpuRuntimeError(
-                f"{header.get('onnx', 'graph')}: rknn-toolkit2 simulator {header['op']} failed: {reply['error']}; "
+                f"{header.get('onnx', 'graph')}: {self.toolkit} simulator {header['op']} failed: {reply['error']}; "
                 f"its log: {self.log}"
             )
         return reply, outputs
