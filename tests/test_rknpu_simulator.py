@@ -103,7 +103,9 @@ def test_the_default_profile_is_the_simulator_where_a_toolkit_python_is_set(rknp
     profile = backend.profiles()[backend.default_profile]
     assert (profile.name, profile.runtime, profile.rknn_toolkit_python) == ("simulator", "simulator", python)
     assert profile.executed_on() == f"rknn-toolkit2 simulator (fp16, rk3588; {python})"
-    assert backend.probe().facts["rknn_toolkit_python"] == python
+    probe = backend.probe()
+    assert (probe.facts["runtime"], probe.facts["rknn_toolkit_python"]) == ("simulator", python)
+    assert "graphs run in rknn-toolkit2's simulator" in probe.reason and probe.score == 0.5
     engine = LLMEngine(backend, backend.load_model(str(rknpu_export[0])), None, resolve_profile(backend, None, {}))
     (seq,) = engine.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True))
     want = LLMEngine(
@@ -114,6 +116,7 @@ def test_the_default_profile_is_the_simulator_where_a_toolkit_python_is_set(rknp
     backend = RknpuBackend()
     assert backend.default_profile == "onnxruntime"
     assert backend.profiles()["onnxruntime"].executed_on() == "onnxruntime on the CPU (fp32)"
+    assert backend.probe().facts["runtime"] == "onnxruntime"
 
 
 @pytest.mark.slow  # a conformance run in a subprocess

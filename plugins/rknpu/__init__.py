@@ -76,8 +76,12 @@ class RknpuBackend(Backend):
         return export(loaded, out, target=target, **options)
 
     def runtime(self, facts: dict) -> str | None:
+        """Where the graphs run by default: the NPU, else rknn-toolkit2's simulator where its python is found, else
+        onnxruntime."""
         if facts["soc"] and facts["librknnrt"] and (self.rknnlite is not None or _has("rknnlite")):
             return "rknnlite"
+        if find_toolkit_python():
+            return "simulator"
         return "onnxruntime" if _has("onnxruntime") else None
 
     def probe(self) -> Probe:
@@ -94,7 +98,7 @@ class RknpuBackend(Backend):
                 "runs folders made by `flashnext export --target rk3588`",
                 facts,
             )
-        if runtime == "onnxruntime":
+        if runtime in ("simulator", "onnxruntime"):
             why = (
                 f"{chip.upper()} found but no NPU runtime (librknnrt.so in /usr/lib and rknn-toolkit-lite2)"
                 if chip
@@ -104,8 +108,8 @@ class RknpuBackend(Backend):
                 True,
                 0.5,
                 f"{why}: exported graphs run "
-                + ("in rknn-toolkit2's simulator or " if facts["rknn_toolkit_python"] else "")
-                + "through onnxruntime on the CPU (for checks, not speed; below cpu for auto)",
+                + ("in rknn-toolkit2's simulator" if runtime == "simulator" else "through onnxruntime on the CPU")
+                + " (for checks, not speed; below cpu for auto)",
                 facts,
             )
         return Probe(False, 0.0, "no RK3588 NPU runtime and no onnxruntime: pip install 'flashnext[rknpu]'", facts)
@@ -118,14 +122,10 @@ class RknpuBackend(Backend):
             max_num_batched_tokens=32,
             max_tokens_cap=MAX_TOKENS,
         )
-        toolkit = find_toolkit_python()
         npu = NpuProfile(name="npu", runtime="rknnlite", **base)
-        simulator = NpuProfile(name="simulator", runtime="simulator", rknn_toolkit_python=toolkit, **base)
+        simulator = NpuProfile(name="simulator", runtime="simulator", rknn_toolkit_python=find_toolkit_python(), **base)
         onnx = NpuProfile(name="onnxruntime", runtime="onnxruntime", **base)
-        if self.runtime(board.board_facts(self.root)) == "rknnlite":
-            default = npu
-        else:
-            default = simulator if toolkit else onnx
+        default = {"rknnlite": npu, "simulator": simulator}.get(self.runtime(board.board_facts(self.root)), onnx)
         return {default.name: default, **{p.name: p for p in (npu, simulator, onnx)}, "basic": default.basic()}
 
     def check_request(self, precision, profile):
