@@ -214,10 +214,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     results: list[CaseResult] = list(_COLLECTED)
     if not results or hasattr(config, "workerinput"):  # an xdist worker: the controller reports
         return
+    profile = _profile_under_test(config)
     path = config.getoption("--flashnext-json")
     if path:
         doc = {
             "backend": results[0].backend,
+            "profile": profile.name,
+            "executed_on": profile.executed_on(),
             "seed": config.getoption("--flashnext-seed"),
             "passed": sum(r.passed is True for r in results),
             "failed": sum(r.passed is False for r in results),
@@ -226,10 +229,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         }
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
-    _print_table(results)
+    _print_table(results, profile)
 
 
-def _print_table(results: list[CaseResult]) -> None:
+def _profile_under_test(config):
+    """The profile the engine-level cases ran: the backend's default (harness.make_engine)."""
+    backend = backend_under_test(config)
+    return backend.profiles()[backend.default_profile]
+
+
+def _print_table(results: list[CaseResult], profile) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -252,5 +261,7 @@ def _print_table(results: list[CaseResult]) -> None:
         console.print(f"[red]FAIL[/] {escape(r.message)}", highlight=False)
     console.print(
         f"{sum(r.passed is True for r in results)} cases passed, {len(failed)} failed, "
-        f"{sum(r.passed is None for r in results)} skipped"
+        f"{sum(r.passed is None for r in results)} skipped; engine cases ran on {escape(profile.executed_on())} "
+        f"(profile '{escape(profile.name)}')",
+        highlight=False,
     )

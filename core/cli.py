@@ -209,6 +209,9 @@ def run(
         _explain(llm.info.entries, llm.info.backend)
         print(f"threads: {llm.threads.reason}", file=sys.stderr)
     ids = llm.encode(text, chat=chat)
+    warning = llm.engine.max_tokens_notice(params.max_tokens)  # the profile's max_tokens_cap, as HTTP says it
+    if warning and not as_json:
+        print(f"warning: {warning}", file=sys.stderr)
     start, first, pieces = _clock(llm), None, []
     for piece, new_ids in llm.stream(ids, params):
         if new_ids and first is None:
@@ -220,6 +223,8 @@ def run(
     seq = llm.last
     end = _clock(llm)
     report = _report(llm, seq, "".join(pieces), start, first or end, end)
+    if warning:
+        report["warning"] = warning
     if as_json:
         print(json.dumps(report, indent=2))
     else:

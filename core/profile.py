@@ -73,6 +73,10 @@ class Profile(BaseModel):
             field = ".".join(str(p) for p in err["loc"])
             raise UserError(f"profile setting '{field}': {err['msg']} (got {err.get('input')!r})") from None
 
+    def executed_on(self) -> str:
+        """Where this profile runs the model, for reports; a backend whose profiles choose a runtime says which."""
+        return f"profile '{self.name}'"
+
     def basic(self) -> "Profile":
         """The rollback switch: no speculative decoding, no graphs, no chunked prefill; prefix caching stays."""
         return self.overridden(name="basic", cuda_graphs=False, chunked_prefill=False, spec="none")

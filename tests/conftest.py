@@ -5,6 +5,10 @@ import torch
 
 from fixtures import write_tiny_hf_model
 
+# The rknpu backend defaults to rknn-toolkit2's simulator where a toolkit venv exists (.venv-rknn); tests that want
+# it point FLASHNEXT_RKNN_TOOLKIT_PYTHON at a stand-in, the rest run onnxruntime wherever they run.
+os.environ["FLASHNEXT_RKNN_TOOLKIT_PYTHON"] = ""
+
 
 def pytest_configure(config):
     # Under `pytest -n N` each worker takes its share of the cores: more OpenMP threads than cores makes every op

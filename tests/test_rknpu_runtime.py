@@ -19,6 +19,10 @@ from rknpu_fakes import FakeRKNNLite, converted_copy, fake_rknnlite
 
 ROCK5B = Path(__file__).parent / "fixtures" / "rk3588" / "rock5b"
 PROMPTS = [[5, 9, 33, 70, 101, 7], [40, 41, 42], list(range(60, 100)), [200, 3], [17] * 20]
+CAP_WARNING = (
+    "max_tokens {asked} lowered to 64: a request of backend 'rknpu' (profile 'onnxruntime', max_tokens_cap) "
+    "answers at most 64 tokens, then ends with finish_reason length"
+)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,12 @@ def test_cli_runs_the_exported_folder_and_refuses_fp8(rknpu_export):
     report = json.loads(result.stdout)
     assert report["backend"] == "rknpu" and report["precision"] == "int4" and report["completion_tokens"] <= 64
     assert report["profile"]["runtime"] == "onnxruntime" and report["profile"]["max_tokens_cap"] == 64
+    assert report["warning"] == CAP_WARNING.format(asked=80)
+    within = runner.invoke(
+        app, ["run", "hello", "--backend", "rknpu", "--model", folder, "--max-tokens", "3", "--json"]
+    )
+    assert within.exit_code == 0, within.output
+    assert "warning" not in json.loads(within.stdout)
     result = runner.invoke(app, ["run", "hi", "--backend", "rknpu", "--model", folder, "--precision", "fp8-e4m3"])
     assert result.exit_code == 2
     errors = [line for line in result.stderr.splitlines() if not line.endswith(" s)")]  # progress stages before it
@@ -134,6 +144,18 @@ def test_cli_runs_the_exported_folder_and_refuses_fp8(rknpu_export):
             "(default) or fp16"
         )
     ]
+
+
+def test_cli_plain_output_warns_once_on_stderr_when_max_tokens_is_clamped(rknpu_export):
+    args = ["run", "hello", "--backend", "rknpu", "--model", str(rknpu_export[0]), "--no-warm-up"]
+    result = CliRunner().invoke(app, [*args, "--max-tokens", "70"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: " + CAP_WARNING.format(asked=70)]
+    assert CAP_WARNING.format(asked=70) not in result.stdout
+    within = CliRunner().invoke(app, [*args, "--max-tokens", "2"])
+    assert within.exit_code == 0, within.output
+    assert "warning:" not in within.stderr
 
 
 def test_a_checkpoint_given_directly_is_exported_on_the_fly(tiny_llama):

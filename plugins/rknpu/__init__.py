@@ -1,5 +1,6 @@
 """The RK3588 NPU backend: runs decoder graphs exported ahead of time (`flashnext export --target rk3588`), on the
-NPU through rknn-toolkit-lite2 or, where there is none, through onnxruntime on the CPU."""
+NPU through rknn-toolkit-lite2 or, where there is none, in rknn-toolkit2's simulator (where its venv is found) or
+through onnxruntime on the CPU."""
 
 import importlib.util
 import json
@@ -20,6 +21,7 @@ from flashnext.core.tokenizer import Tokenizer
 
 from . import probe as board
 from .runtime import CORE_MASKS, MANIFEST, StaticModel, StaticRunner, read_manifest
+from .simulator import find_toolkit_python
 
 MAX_SEQS = 4  # the graphs' batch: more concurrent requests queue
 MAX_TOKENS = 64  # a request's answer on the board
@@ -30,11 +32,19 @@ FP8_REFUSAL = (
 
 
 class NpuProfile(Profile):
-    """The core's knobs plus where the graphs run: `runtime` rknnlite (the NPU, cores `npu_cores`) or
-    onnxruntime (the CPU)."""
+    """The core's knobs plus where the graphs run: `runtime` rknnlite (the NPU, cores `npu_cores`), simulator
+    (rknn-toolkit2's, fp16, in the venv of `rknn_toolkit_python`) or onnxruntime (the CPU, fp32)."""
 
-    runtime: Literal["rknnlite", "onnxruntime"] = "onnxruntime"
+    runtime: Literal["rknnlite", "simulator", "onnxruntime"] = "onnxruntime"
     npu_cores: Literal["auto", "0", "1", "2", "0_1", "0_1_2"] = "0_1_2"
+    rknn_toolkit_python: str | None = None
+
+    def executed_on(self) -> str:
+        return {
+            "rknnlite": f"RK3588 NPU (rknn-toolkit-lite2, cores {self.npu_cores})",
+            "simulator": f"rknn-toolkit2 simulator (fp16, rk3588; {self.rknn_toolkit_python})",
+            "onnxruntime": "onnxruntime on the CPU (fp32)",
+        }[self.runtime]
 
 
 @dataclass
@@ -66,13 +76,18 @@ class RknpuBackend(Backend):
         return export(loaded, out, target=target, **options)
 
     def runtime(self, facts: dict) -> str | None:
+        """Where the graphs run by default: the NPU, else rknn-toolkit2's simulator where its python is found, else
+        onnxruntime."""
         if facts["soc"] and facts["librknnrt"] and (self.rknnlite is not None or _has("rknnlite")):
             return "rknnlite"
+        if find_toolkit_python():
+            return "simulator"
         return "onnxruntime" if _has("onnxruntime") else None
 
     def probe(self) -> Probe:
         facts = board.board_facts(self.root)
         facts["runtime"] = runtime = self.runtime(facts)
+        facts["rknn_toolkit_python"] = find_toolkit_python()
         facts["default_profile"] = self.default_profile
         chip = facts["soc"]
         if runtime == "rknnlite":
@@ -83,7 +98,7 @@ class RknpuBackend(Backend):
                 "runs folders made by `flashnext export --target rk3588`",
                 facts,
             )
-        if runtime == "onnxruntime":
+        if runtime in ("simulator", "onnxruntime"):
             why = (
                 f"{chip.upper()} found but no NPU runtime (librknnrt.so in /usr/lib and rknn-toolkit-lite2)"
                 if chip
@@ -92,8 +107,9 @@ class RknpuBackend(Backend):
             return Probe(
                 True,
                 0.5,
-                f"{why}: exported graphs run through onnxruntime on the CPU (for checks, not "
-                "speed; below cpu for auto)",
+                f"{why}: exported graphs run "
+                + ("in rknn-toolkit2's simulator" if runtime == "simulator" else "through onnxruntime on the CPU")
+                + " (for checks, not speed; below cpu for auto)",
                 facts,
             )
         return Probe(False, 0.0, "no RK3588 NPU runtime and no onnxruntime: pip install 'flashnext[rknpu]'", facts)
@@ -107,9 +123,10 @@ class RknpuBackend(Backend):
             max_tokens_cap=MAX_TOKENS,
         )
         npu = NpuProfile(name="npu", runtime="rknnlite", **base)
+        simulator = NpuProfile(name="simulator", runtime="simulator", rknn_toolkit_python=find_toolkit_python(), **base)
         onnx = NpuProfile(name="onnxruntime", runtime="onnxruntime", **base)
-        default = npu if self.runtime(board.board_facts(self.root)) == "rknnlite" else onnx
-        return {default.name: default, **{p.name: p for p in (npu, onnx)}, "basic": default.basic()}
+        default = {"rknnlite": npu, "simulator": simulator}.get(self.runtime(board.board_facts(self.root)), onnx)
+        return {default.name: default, **{p.name: p for p in (npu, simulator, onnx)}, "basic": default.basic()}
 
     def check_request(self, precision, profile):
         if isinstance(precision, str) and precision.startswith("fp8"):
@@ -149,6 +166,7 @@ class RknpuBackend(Backend):
 
     def build_model(self, loaded, precision, profile, quantized_head):
         runtime = getattr(profile, "runtime", "onnxruntime")
+        toolkit = getattr(profile, "rknn_toolkit_python", None)
         mask = CORE_MASKS[getattr(profile, "npu_cores", "auto")]
         if isinstance(loaded, ExportedModel):
             if precision.name != loaded.manifest["precision"]:
@@ -162,17 +180,18 @@ class RknpuBackend(Backend):
                     f"FLASHNEXT_MAX_NUM_SEQS={loaded.manifest['batch']} or export with --batch "
                     f"{profile.max_num_seqs}"
                 )
-            return StaticModel.open(loaded.folder, runtime, mask, self.rknnlite)
+            return StaticModel.open(loaded.folder, runtime, mask, self.rknnlite, toolkit)
         if runtime == "rknnlite":
             raise UserError(
                 f"{loaded.source}: the NPU runs folders exported ahead of time: `flashnext export "
                 f"--target rk3588 --model {loaded.source} --out DIR` on a PC, then --model DIR"
             )
-        return self._export_and_open(loaded, precision.name, profile)
+        return self._export_and_open(loaded, precision.name, runtime, toolkit, profile)
 
-    def _export_and_open(self, loaded, precision: str, profile) -> StaticModel:
-        """A checkpoint given directly: exported into a temporary folder and opened with onnxruntime. The folder
-        lives as long as the model: stored_weights reads the graphs' weights back from it."""
+    def _export_and_open(self, loaded, precision: str, runtime: str, toolkit: str | None, profile) -> StaticModel:
+        """A checkpoint given directly: exported into a temporary folder and opened with the profile's runtime
+        (simulator or onnxruntime). The folder lives as long as the model: stored_weights reads the graphs' weights
+        back from it."""
         from .export import export
 
         limit = loaded.config.max_position_embeddings
@@ -187,7 +206,7 @@ class RknpuBackend(Backend):
             context=context,
             check=False,
         )
-        model = StaticModel.open(Path(folder.name), "onnxruntime")
+        model = StaticModel.open(Path(folder.name), runtime, toolkit_python=toolkit)
         model.temporary_folder = folder
         return model
 

@@ -1,5 +1,5 @@
-"""Running exported graphs: a session per graph (rknn-toolkit-lite2 on the board, onnxruntime elsewhere), the
-model that steps them over a slot-per-sequence KV cache, and the engine's runner on top."""
+"""Running exported graphs: a session per graph (rknn-toolkit-lite2 on the board; rknn-toolkit2's simulator or
+onnxruntime elsewhere), the model that steps them over a slot-per-sequence KV cache, and the engine's runner on top."""
 
 import json
 from pathlib import Path
@@ -111,7 +111,11 @@ class StaticModel:
         self.v = [np.zeros(shape, np.float32) for _ in range(config.num_layers)]
 
     @classmethod
-    def open(cls, folder: Path, runtime: str, core_mask: int = 0, rknnlite=None) -> "StaticModel":
+    def open(
+        cls, folder: Path, runtime: str, core_mask: int = 0, rknnlite=None, toolkit_python: str | None = None
+    ) -> "StaticModel":
+        """runtime: rknnlite (the .rknn files on the NPU), simulator (the .onnx files built and run by rknn-toolkit2
+        in the venv of `toolkit_python`) or onnxruntime."""
         manifest = read_manifest(folder)
         config = ModelConfig(**json.loads((folder / "config.json").read_text()))
         embed = np.load(folder / manifest["embedding"])
@@ -124,6 +128,15 @@ class StaticModel:
                         "(benchmarks/rknn_simulate.sh) or run with --profile onnxruntime"
                     )
                 sessions[name] = RknnLiteSession(folder / graph["rknn"], core_mask, rknnlite)
+            elif runtime == "simulator":
+                from .simulator import SimulatorSession
+
+                if toolkit_python is None:
+                    raise UserError(
+                        "runtime simulator needs rknn-toolkit2's python: set FLASHNEXT_RKNN_TOOLKIT_PYTHON "
+                        "(benchmarks/rknn_simulate.sh makes .venv-rknn) or run with --profile onnxruntime"
+                    )
+                sessions[name] = SimulatorSession(folder / graph["onnx"], toolkit_python, manifest["target"])
             else:
                 sessions[name] = OnnxSession(folder / graph["onnx"])
         return cls(config, embed, sessions, manifest, folder)
