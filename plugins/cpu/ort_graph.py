@@ -171,7 +171,8 @@ class OrtModel:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.log_severity_level = 3
-        options.enable_cpu_mem_arena = False  # a step's activations are small; an arena only keeps freed weights copies
+        # The arena reuses a prompt chunk's activation buffers; without it glibc keeps what they freed resident.
+        options.enable_cpu_mem_arena = True
         builder = GraphBuilder(model, ACCURACY_LEVEL[activations])
         graph = builder.build().SerializeToString()
         # Kept for the session's life: it reads these arrays, most of them views of the model's own tensors.
