@@ -6,9 +6,8 @@ import torch.nn.functional as F
 from flashnext.core.kernels import AttentionMetadata, ReferenceKernels
 from flashnext.core.precision import Fp8Weight, Int4Weight
 
-# Quantized weights are expanded to fp16 once, on first use. Measured on a 2-core AVX-512 VM (docs/benchmarks.md):
-# a decode pass over SmolLM2's projections takes 16 ms from fp16, 47 ms from fp32 and far longer through torch's
-# int4 CPU matmul, because batch-1 decode streams every weight from memory and fp16 halves the bytes of fp32.
+# On the torch path quantized weights are expanded to fp16 once, on first use: batch-1 decode streams every weight
+# from memory and fp16 halves fp32's bytes, and torch's int4 CPU matmul is slower than both (docs/benchmarks.md).
 EXPANDED_DTYPE = torch.float16
 PREFILL_ROWS = 8
 # fp32 GEMMs pick their blocking by row count, so a row's sums change with M; run at a fixed M they do not.
@@ -111,7 +110,7 @@ def _attend(query, keys, values, scale):
     if q_len > 1:  # queries are the last q_len positions of the context: causal, offset to the end
         mask = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(ctx_len - q_len)
     # A leading batch dim routes SDPA to its flash CPU kernel; 3-D inputs take the math path, which
-    # materializes [heads, q, ctx] scores (1.4 GiB for a 4k prompt instead of 76 MiB).
+    # materializes [heads, q, ctx] scores (gigabytes for a long prompt; the flash kernel works in tiles).
     attended = F.scaled_dot_product_attention(
         query[None],
         keys.to(query.dtype)[None],
