@@ -10,11 +10,12 @@ average before and after; compare routes within one run only. `--busy` keeps one
 
 `--numerics` measures instead how far each route's logits are from the exact int4 model (the Q4_1 weights
 dequantized to fp32, fp32 activations: precision fp32 on the same file): three prompts, their last position and
-then 8 teacher-forced decode steps, mean and largest NMSE, and how often the greedy token differs.
+then 8 teacher-forced decode steps, mean and largest NMSE, and how often the greedy token differs. The route
+`llama.cpp` (where llama-cpp-python is installed) is llama.cpp on the same GGUF, for comparison.
 
     python benchmarks/bench_cpu_decode_routes.py --threads 1,2 --rounds 5 --json out.json
     python benchmarks/bench_cpu_decode_routes.py --threads 2 --busy --json out_busy.json
-    python benchmarks/bench_cpu_decode_routes.py --numerics --routes torch,onnxruntime,onnxruntime-int8
+    python benchmarks/bench_cpu_decode_routes.py --numerics --routes torch,onnxruntime,onnxruntime-int8,llama.cpp
 """
 
 import argparse
@@ -25,14 +26,16 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
-from flashnext.core.loader import load_model
+from flashnext.core.loader import default_model_path, load_model
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
 ROUTES = ("torch", "onnxruntime", "onnxruntime-int8", "onnxruntime-int8-spin")
@@ -160,10 +163,14 @@ def numerics(args, steps: int = 8) -> list[dict]:
     exact = [teacher_forced(exact_engine, p, steps) for p in prompts]
     rows = []
     for route in args.routes.split(","):
-        engine = engine_for(loaded, route, torch.get_num_threads(), 256, 1)
+        if route == "llama.cpp":
+            forward = llamacpp_forward()
+        else:
+            engine = engine_for(loaded, route, torch.get_num_threads(), 256, 1)
+            forward = partial(teacher_forced, engine)
         errors, differs = [], 0
         for prompt, want in zip(prompts, exact):
-            got = teacher_forced(engine, prompt, steps, [int(x.argmax()) for x in want])
+            got = forward(prompt, steps, [int(x.argmax()) for x in want])
             errors += [float(((a - b) ** 2).mean() / (b**2).mean()) for a, b in zip(got, want)]
             differs += sum(int(a.argmax() != b.argmax()) for a, b in zip(got, want))
         rows.append(
@@ -176,6 +183,27 @@ def numerics(args, steps: int = 8) -> list[dict]:
             }
         )
     return rows
+
+
+def llamacpp_forward():
+    """teacher_forced's logits from llama.cpp on the same GGUF (its own rounding: activations as Q8 blocks)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(default_model_path()),
+        n_ctx=256,
+        logits_all=True,
+        n_threads=torch.get_num_threads(),
+        verbose=False,
+    )
+
+    def forward(prompt: list[int], steps: int, tokens: list[int]) -> list[torch.Tensor]:
+        llm.reset()
+        llm.eval(prompt + tokens[:steps])
+        rows = torch.tensor(np.asarray(llm.scores[: len(prompt) + steps]))
+        return list(rows[len(prompt) - 1 :])
+
+    return forward
 
 
 def teacher_forced(engine, prompt: list[int], steps: int, tokens: list[int] | None = None) -> list[torch.Tensor]:
