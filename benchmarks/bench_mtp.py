@@ -1,17 +1,19 @@
 """MTP speculative decoding in the CUDA graphs, batch 1: what a round costs and what it would gain.
 
-    python benchmarks/bench_mtp.py [--json OUT] [--gen-len 256]
+    python benchmarks/bench_mtp.py [--json OUT] [--gen-len 256] [--draft-heads target,fp8]
 
 Random Qwen3-0.6B-shaped weights (bf16) with one random DeepSeek-V3 style MTP module (with_mtp_module). Measures
 on the GPU, graphs replayed directly (CUDA events around the replays only):
-- a captured decode step of --spec none, and a captured MTP round (drafts + verify + verdict + catch-up) for
+- a captured decode step of --spec none (and of --spec mtp, which keeps the step's target states for the module),
+  and a captured MTP round (drafts + verify + verdict + catch-up) for
   K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2); the round twice: drafts rejected (the random module)
   and drafts accepted (the copying module, whose catch-up runs over all K + 1 rows);
 - from those ratios, the per-token acceptance at which a round breaks even with decode steps and the speedup at
   85% and 90% (tokens a round = 1 + a + ... + a^K for acceptance a at each draft position, chain ending at the
   first miss);
 - end to end through the engine (adaptive mode on, as shipped): --spec mtp vs --spec none tok/s, with the random
-  module (acceptance ~0: adaptive mode must keep >= 0.9x) and with the copying module (acceptance ~1).
+  module (acceptance ~0: adaptive mode must keep >= 0.9x) and with the copying module (acceptance ~1);
+- each for every --draft-heads value (spec_draft_head: the target's bf16 LM head, or an fp8 copy for the drafts).
 Prints a short table, writes every number as JSON.
 """
 
@@ -34,7 +36,7 @@ TARGETS = {1: 1.6, 2: 1.9, 3: 2.2}
 PROMPT_LEN, REPLAYS = 64, 8
 
 
-def make_llm(loaded, spec: str, k: int = 1) -> LLM:
+def make_llm(loaded, spec: str, k: int = 1, head: str = "target") -> LLM:
     return LLM(
         model=loaded,
         backend="cuda",
@@ -42,6 +44,7 @@ def make_llm(loaded, spec: str, k: int = 1) -> LLM:
         profile="full",
         spec=spec,
         spec_tokens=k,
+        spec_draft_head=head,
         max_model_len=1024,
         max_num_seqs=4,
         kv_cache_max_gib=1.0,
@@ -129,12 +132,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write every number here")
     parser.add_argument("--gen-len", type=int, default=256)
+    parser.add_argument("--draft-heads", default="target,fp8", help="spec_draft_head values, comma-separated")
     args = parser.parse_args()
+    heads = args.draft_heads.split(",")
     dev = torch.device("cuda")
     base = random_model(SHAPE, dev)
     models = {"rejecting": with_mtp_module(base), "accepting": with_mtp_module(base, copying=True)}
     machine = machine_name(CudaBackend())
-    out: dict = {"machine": machine, "shape": SHAPE, "batch": 1, "precision": "bf16", "rounds": {}, "e2e": {}}
+    out: dict = {"machine": machine, "shape": SHAPE, "batch": 1, "precision": "bf16", "heads": heads}
+    out |= {"rounds": {}, "e2e": {}}
     for name, loaded in models.items():
         none = make_llm(loaded, "none")
         step = decode_step_us(none)
@@ -142,12 +148,18 @@ def main() -> None:
         del none
         out["rounds"][name] = {"decode_step_us": round(step, 1)}
         out["e2e"][name] = {"none_tok_s": round(none_tok_s, 1)}
-        for k in KS:
-            llm = make_llm(loaded, "mtp", k)
+        for k, head in ((k, head) for k in KS for head in heads):
+            llm = make_llm(loaded, "mtp", k, head)
             cost = mtp_round_us(llm) / step
+            decode = decode_step_us(llm) / step  # its decode steps keep the target's states for the module
             rate, run = tok_s(llm, args.gen_len)
-            out["rounds"][name][f"k{k}"] = {"round_over_decode": round(cost, 3), "target": TARGETS[k]}
-            out["e2e"][name][f"k{k}"] = {
+            key = variant(k, head)
+            out["rounds"][name][key] = {
+                "round_over_decode": round(cost, 3),
+                "target": TARGETS[k],
+                "mtp_decode_step_over_decode": round(decode, 3),
+            }
+            out["e2e"][name][key] = {
                 "mtp_tok_s": round(rate, 1),
                 "mtp_over_none": round(rate / none_tok_s, 3),
                 "lossless": run.pop("tokens") == none_run["tokens"],
@@ -156,9 +168,9 @@ def main() -> None:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-    for k in KS:
-        cost = out["rounds"]["rejecting"][f"k{k}"]["round_over_decode"]
-        out["rounds"][f"projection_k{k}"] = {
+    for k, head in ((k, head) for k in KS for head in heads):
+        cost = out["rounds"]["rejecting"][variant(k, head)]["round_over_decode"]
+        out["rounds"][f"projection_{variant(k, head)}"] = {
             "break_even_acceptance": break_even(cost, k),
             **{f"speedup_at_{a}": round(tokens_per_round(a, k) / cost, 3) for a in ACCEPTANCES},
         }
@@ -168,15 +180,23 @@ def main() -> None:
             json.dump(out, f, indent=2)
 
 
+def variant(k: int, head: str) -> str:
+    return f"k{k}" if head == "target" else f"k{k}_{head}_head"
+
+
 def print_table(out: dict) -> None:
     rounds, e2e = out["rounds"], out["e2e"]
     print(f"{out['machine']}  {SHAPE} bf16 batch 1, decode step {rounds['rejecting']['decode_step_us']} us")
-    print(" K  round/decode (target)  accepted-round  break-even  x@85%  x@90%  mtp/none rej  mtp/none acc  lossless")
-    for k in KS:
-        rej, acc, proj = rounds["rejecting"][f"k{k}"], rounds["accepting"][f"k{k}"], rounds[f"projection_k{k}"]
-        e_rej, e_acc = e2e["rejecting"][f"k{k}"], e2e["accepting"][f"k{k}"]
+    print(
+        " K  head    round/decode (target)  accepted-round  break-even  x@85%  x@90%  mtp/none rej  mtp/none acc"
+        "  lossless"
+    )
+    for k, head in ((k, head) for k in KS for head in out["heads"]):
+        key = variant(k, head)
+        rej, acc, proj = rounds["rejecting"][key], rounds["accepting"][key], rounds[f"projection_{key}"]
+        e_rej, e_acc = e2e["rejecting"][key], e2e["accepting"][key]
         print(
-            f" {k}  {rej['round_over_decode']:>5} ({rej['target']})"
+            f" {k}  {head:<6}  {rej['round_over_decode']:>5} ({rej['target']})"
             f"  {acc['round_over_decode']:>14}  {proj['break_even_acceptance']!s:>10}"
             f"  {proj['speedup_at_0.85']:>5}  {proj['speedup_at_0.9']:>5}"
             f"  {e_rej['mtp_over_none']:>12}  {e_acc['mtp_over_none']:>12}"

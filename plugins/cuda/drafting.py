@@ -205,6 +205,9 @@ class DeviceVerifier:
     def after_chunk(self, batch, row_stats) -> None:
         """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""
 
+    def before_decode(self, batch) -> None:
+        """A decode chunk for `batch` is about to be queued."""
+
     def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         """An eager step ran `batch` (its final hidden states and samples)."""
 

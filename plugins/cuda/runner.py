@@ -175,9 +175,7 @@ class CudaGraphRunner(ModelRunner):
     def _device_drafter(self, setup: RunnerSetup) -> DeviceNgramDrafter | DeviceMtpDrafter:
         if self.profile.spec == "mtp":
             max_context = self.table_width * self.block_size
-            return DeviceMtpDrafter(
-                self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile.spec_adaptive
-            )
+            return DeviceMtpDrafter(self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile)
         return DeviceNgramDrafter(self.kernels, self.verify_len - 1)
 
     @classmethod
@@ -273,6 +271,8 @@ class CudaGraphRunner(ModelRunner):
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         self._ensure_graphs(batch, bucket, greedy)
         self._fill_inputs(batch, bucket)
+        if self.device_drafter:
+            self.device_drafter.before_decode(batch)
         graph = self.graphs[(bucket, greedy, "decode")]
         self._replay_decode(graph, steps)
         return self._read_chunk(batch, graph, steps)
