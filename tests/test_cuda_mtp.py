@@ -134,9 +134,9 @@ def test_the_device_cache_holds_what_a_from_scratch_run_computes(tiny_random, mt
 
 def first_draft(device, state) -> list[int]:
     """The device drafter's greedy draft from a chained state (one live row)."""
-    column = torch.zeros(device.k + 1, dtype=torch.int64)
-    head_in = device.mtp.head_input(device.kernels, state.to(column.device))
-    return device._greedy(head_in, torch.ones(1, dtype=torch.int32), column).tolist()
+    column = torch.zeros(device.k + 1, dtype=torch.int64, device=state.device)
+    live = torch.ones(1, dtype=torch.int32, device=state.device)
+    return device._greedy(device.mtp.head_input(device.kernels, state), live, column).tolist()
 
 
 @pytest.mark.slow
