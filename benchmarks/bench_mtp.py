@@ -8,6 +8,7 @@ on the GPU, graphs replayed directly (CUDA events around the replays only):
   and a captured MTP round (drafts + verify + verdict + catch-up) for
   K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2); the round twice: drafts rejected (the random module)
   and drafts accepted (the copying module, whose catch-up runs over all K + 1 rows);
+- the round's parts, each captured alone: the drafts, and the catch-up (the rest is the verify step);
 - from those ratios, the per-token acceptance at which a round breaks even with decode steps and the speedup at
   85% and 90% (tokens a round = 1 + a + ... + a^K for acceptance a at each draft position, chain ending at the
   first miss);
@@ -96,6 +97,42 @@ def mtp_round_us(llm: LLM) -> float:
     return replay_us(runner.graphs[(1, True, "spec")], lambda: runner._fill_spec(batch, 1))
 
 
+def round_parts_us(llm: LLM) -> dict[str, float]:
+    """GPU time of the MTP round's parts, each captured on its own as the spec graph holds it: the drafts (plan,
+    first draft, K - 1 chained steps) and the catch-up after one accepted token; the rest of the round is the
+    K + 1-row verify step and the verdict."""
+    runner = llm.engine.runner
+    drafter, q, bs = runner.device_drafter, runner.verify_len, runner.block_size
+    batch = prefilled(llm)
+    runner._ensure_graphs(batch, 1, True)
+    verify = tuple(runner.dev_verify_ints[i, :q] for i in (0, 1, 2)) + (runner.dev_context[:q],)
+    verify += (runner.dev_verify_ints[3, :q],)
+    state = tuple(runner.dev_spec[i, :1] for i in range(4))
+    hist, tables, ntok = runner.dev_hist[:1], runner.dev_tables[:1], runner.dev_spec[0, :1]
+    state = (hist,) + state + (runner.dev_n_draft[:1],)
+    hidden = torch.randn(q, llm.engine.model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+
+    def fill():  # the round's inputs, drafted once, then one token taken: the catch-up's rows
+        runner._fill_spec(batch, 1)
+        drafter.draft(state, verify, tables, bs)
+        ntok.add_(1)
+
+    parts = {
+        "draft": lambda: drafter.draft(state, verify, tables, bs),
+        "catch_up": lambda: drafter.after_verify(hidden, hidden, verify, hist, ntok, tables),
+    }
+    out = {}
+    for name, body in parts.items():
+        fill()
+        with runner.graph_settings(1, q):
+            body()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=runner.pool):
+                body()
+        out[name] = replay_us(graph, fill)
+    return out
+
+
 def tokens_per_round(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
@@ -112,11 +149,11 @@ def break_even(cost: float, k: int) -> float | None:
 
 
 def tok_s(llm: LLM, gen_len: int) -> tuple[float, dict]:
-    """Decode tok/s of one batch-1 request after a warm-up request (graphs captured, kernels compiled)."""
+    """Decode tok/s of one batch-1 request after the same request once (graphs captured, kernels compiled)."""
     vocab = llm.engine.config.vocab_size
     prompt = [(11 * i + 5) % vocab for i in range(PROMPT_LEN)]
     params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
-    llm.engine.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))
+    llm.engine.generate([prompt], params)  # every path the run takes, compiled (the kind chooser's retries too)
     before = llm.engine.spec_stats()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -150,7 +187,9 @@ def main() -> None:
         out["e2e"][name] = {"none_tok_s": round(none_tok_s, 1)}
         for k, head in ((k, head) for k in KS for head in heads):
             llm = make_llm(loaded, "mtp", k, head)
-            cost = mtp_round_us(llm) / step
+            round_us = mtp_round_us(llm)
+            cost = round_us / step
+            parts = {f"{name}_over_decode": round(us / step, 3) for name, us in round_parts_us(llm).items()}
             decode = decode_step_us(llm) / step  # its decode steps keep the target's states for the module
             rate, run = tok_s(llm, args.gen_len)
             key = variant(k, head)
@@ -158,6 +197,7 @@ def main() -> None:
                 "round_over_decode": round(cost, 3),
                 "target": TARGETS[k],
                 "mtp_decode_step_over_decode": round(decode, 3),
+                **parts,
             }
             out["e2e"][name][key] = {
                 "mtp_tok_s": round(rate, 1),
@@ -188,8 +228,8 @@ def print_table(out: dict) -> None:
     rounds, e2e = out["rounds"], out["e2e"]
     print(f"{out['machine']}  {SHAPE} bf16 batch 1, decode step {rounds['rejecting']['decode_step_us']} us")
     print(
-        " K  head    round/decode (target)  accepted-round  break-even  x@85%  x@90%  mtp/none rej  mtp/none acc"
-        "  lossless"
+        " K  head    round/decode (target)  draft  catch-up  accepted-round  break-even  x@85%  x@90%  mtp/none rej"
+        "  mtp/none acc  lossless"
     )
     for k, head in ((k, head) for k in KS for head in out["heads"]):
         key = variant(k, head)
@@ -197,6 +237,7 @@ def print_table(out: dict) -> None:
         e_rej, e_acc = e2e["rejecting"][key], e2e["accepting"][key]
         print(
             f" {k}  {head:<6}  {rej['round_over_decode']:>5} ({rej['target']})"
+            f"  {rej['draft_over_decode']:>5}  {rej['catch_up_over_decode']:>8}"
             f"  {acc['round_over_decode']:>14}  {proj['break_even_acceptance']!s:>10}"
             f"  {proj['speedup_at_0.85']:>5}  {proj['speedup_at_0.9']:>5}"
             f"  {e_rej['mtp_over_none']:>12}  {e_acc['mtp_over_none']:>12}"

@@ -5,8 +5,8 @@ its bf16 head and through an fp8-e4m3 copy with a scale a row (fp8_quantize, as 
 A greedy draft read through the copy is accepted where the bf16 head's would be only if both heads pick the same
 token: "kept_where_bf16_is_right" is the share of the positions where the bf16 head picks the text's next token
 (where a draft would be accepted) at which the copy picks it too; the agreement over all positions and the
-accuracy columns (the pick equals the text's next token) show the rest. The target's own states stand in for an MTP module's output
-(the same space: the module's head is the target's).
+accuracy columns (the pick equals the text's next token) show the rest. The target's own states stand in for an
+MTP module's output (the same space: the module's head is the target's).
 
     python benchmarks/check_draft_head.py [--json OUT]
 """
@@ -72,8 +72,13 @@ def main(argv=None):
         right = picks["bf16"][:-1] == following  # where a draft from this state would be accepted
         out[name] = {
             "agreement_fp8_vs_bf16": round(float((picks["fp8"] == picks["bf16"]).float().mean()), 4),
-            "kept_where_bf16_is_right": round(float((picks["fp8"][:-1] == picks["bf16"][:-1])[right].float().mean()), 4),
-            **{f"next_token_accuracy_{k}": round(float((v[:-1] == following).float().mean()), 4) for k, v in picks.items()},
+            "kept_where_bf16_is_right": round(
+                float((picks["fp8"][:-1] == picks["bf16"][:-1])[right].float().mean()), 4
+            ),
+            **{
+                f"next_token_accuracy_{k}": round(float((v[:-1] == following).float().mean()), 4)
+                for k, v in picks.items()
+            },
         }
     print(json.dumps(out, indent=2))
     if args.json_path:

@@ -219,6 +219,8 @@ def test_a_request_keeps_its_acceptance_through_chunks_it_is_not_in(tiny_random,
     drafter.before_chunk([failing, fine])
     assert drafter.limit[:2].tolist() == [0, 3]
     assert isinstance(failing.seq.spec_tracker, MtpTracker) and failing.seq.spec_tracker.pause_left > 0
+    drafter.before_chunk([failing, fine], probe=True)  # the kind chooser's retry: one draft a step at most
+    assert drafter.limit[:2].tolist() == [0, 1]
 
 
 def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):
@@ -235,7 +237,9 @@ def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("precision,head", [("fp32", "target"), ("bf16", "target"), ("int4", "target"), ("bf16", "fp8")])
+@pytest.mark.parametrize(
+    "precision,head", [("fp32", "target"), ("bf16", "target"), ("int4", "target"), ("bf16", "fp8")]
+)
 def test_mtp_graphs_give_the_plain_tokens(precision, head):
     """--spec mtp with captured graphs == --spec none, batch 1 and batched, greedy and seeded, fixed K and adaptive,
     prompts in chunks, with drafts accepted (the copying module) and rejected (a random one): the verify rows run

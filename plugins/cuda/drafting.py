@@ -199,8 +199,8 @@ class DeviceVerifier:
         drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
         return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
-    def before_chunk(self, batch) -> None:
-        """A spec chunk for `batch` is about to be queued."""
+    def before_chunk(self, batch, probe: bool = False) -> None:
+        """A spec chunk for `batch` is about to be queued (probe: a retry of spec chunks while decode chunks lead)."""
 
     def after_chunk(self, batch, row_stats) -> None:
         """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""

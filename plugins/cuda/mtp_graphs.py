@@ -31,7 +31,12 @@ from .decode_step import _argmax_token
 from .drafting import DeviceVerifier
 from .forward import live_rows
 from .kernels import CudaKernels
-from .primitives import _pow2
+from .primitives import _after_producer, _pow2
+
+# Drafts a step in a probe, a spec chunk run while decode chunks deliver faster (the kind chooser's retry): one
+# draft a step costs the least of any K and still breaks even at a lower acceptance than more would, so a text that
+# turned draftable still wins the probe; the request's tracker then grows K chunk by chunk.
+PROBE_DRAFTS = 1
 
 
 @triton.jit
@@ -61,12 +66,14 @@ def _mtp_plan_kernel(
     K: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row j: how many drafts it takes (as the n-gram drafter bounds them, and at most limit[j]: its request's
     adaptive K, 0 while drafting pauses, when draft_live[j] = 0 skips the heads), its K + 1 verify inputs (row r feeds
     the last token, r = 0, or draft r at position ntok - 1 + r; the drafts are written by the chained steps), the
     slot of its module state at ntok - 2, and the inputs of chained step s (position ntok - 2 + s, live while
     draft s + 1 is wanted). n_draft = -1 marks a row that takes no step."""
+    _after_producer(PDL)
     j = tl.program_id(0)
     ntok = tl.load(ntok_ptr + j)
     cap = tl.load(cap_ptr + j)
@@ -115,9 +122,11 @@ def _mtp_catch_up_kernel(
     hist_stride,
     K: tl.constexpr,
     Q_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row j after the verdict: verify row r, at position start - 1 + r, pairs with the token accepted at start + r
     for each r below the tokens taken (ntok - start); later rows compute nothing."""
+    _after_producer(PDL)
     j = tl.program_id(0)
     start = tl.load(start_ptr + j)
     take = tl.load(ntok_ptr + j) - start
@@ -133,9 +142,12 @@ def _mtp_catch_up_kernel(
 
 
 @triton.jit
-def _store_rows_kernel(x_ptr, res_ptr, w_ptr, slot_ptr, dst_ptr, D, eps, NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _store_rows_kernel(
+    x_ptr, res_ptr, w_ptr, slot_ptr, dst_ptr, D, eps, NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """dst[slot[r]] = x[r] + res[r], rmsnormed by w with NORM, for the rows with a slot (>= 0): the sum rounded to the
     activation dtype before the norm, as _rmsnorm_kernel does."""
+    _after_producer(PDL)
     r = tl.program_id(0)
     slot = tl.load(slot_ptr + r)
     if slot >= 0:
@@ -152,28 +164,50 @@ def _store_rows_kernel(x_ptr, res_ptr, w_ptr, slot_ptr, dst_ptr, D, eps, NORM: t
 
 @triton.jit
 def _block_input_kernel(
-    ids_ptr, embed_ptr, state_ptr, embed_w_ptr, state_w_ptr, out_ptr, D, eps, HIDDEN_FIRST: tl.constexpr, BLOCK: tl.constexpr
+    ids_ptr,
+    embed_ptr,
+    state_ptr,
+    res_ptr,
+    final_w_ptr,
+    embed_w_ptr,
+    state_w_ptr,
+    out_ptr,
+    D,
+    eps,
+    FINAL: tl.constexpr,
+    HIDDEN_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row r of the module's block input before its projection: the token's embedding and the previous state, each
-    rmsnormed by its weight (as _rmsnorm_kernel rounds), side by side in the layout's order: one pass where
-    embedding, two norms and a concatenation take four."""
+    rmsnormed by its weight, side by side in the layout's order (one pass where embedding, two norms and a
+    concatenation take four). With FINAL the state is the target's last layer output + residual, which the
+    target's final norm (final_w) takes first. Sums and norms rounded to the activation dtype as _rmsnorm_kernel
+    rounds them."""
+    _after_producer(PDL)
     r = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     m = d < D
+    dtype = out_ptr.dtype.element_ty
     tok = tl.load(ids_ptr + r).to(tl.int64)
-    e = tl.load(embed_ptr + tok * D + d, mask=m, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    e = (e * tl.rsqrt(tl.sum(e * e, axis=0) / D + eps) * tl.load(embed_w_ptr + d, mask=m, other=0.0).to(tl.float32))
+    e = tl.load(embed_ptr + tok * D + d, mask=m, other=0.0).to(dtype).to(tl.float32)
+    e = e * tl.rsqrt(tl.sum(e * e, axis=0) / D + eps) * tl.load(embed_w_ptr + d, mask=m, other=0.0).to(tl.float32)
     h = tl.load(state_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)
+    if FINAL:
+        h = (h + tl.load(res_ptr + r * D + d, mask=m, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps) * tl.load(final_w_ptr + d, mask=m, other=0.0).to(tl.float32)
+        h = h.to(dtype).to(tl.float32)
     h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps) * tl.load(state_w_ptr + d, mask=m, other=0.0).to(tl.float32)
     first, second = (h, e) if HIDDEN_FIRST else (e, h)
-    tl.store(out_ptr + r * 2 * D + d, first.to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(out_ptr + r * 2 * D + D + d, second.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + r * 2 * D + d, first.to(dtype), mask=m)
+    tl.store(out_ptr + r * 2 * D + D + d, second.to(dtype), mask=m)
 
 
 @triton.jit
-def _draft_token_kernel(keys_ptr, live_ptr, token_ptr, ids_ptr, ids_stride, CHUNKS: tl.constexpr):
+def _draft_token_kernel(keys_ptr, live_ptr, token_ptr, ids_ptr, ids_stride, CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """Row r's draft from argmax_keys' keys of its logits, into the chained step's input and the verify inputs
     (ids_ptr: the draft's column); 0 for a row not live (its logits were not computed, its draft is never verified)."""
+    _after_producer(PDL)
     r = tl.program_id(0)
     keys = tl.load(keys_ptr + r * CHUNKS + tl.arange(0, CHUNKS))[None, :]
     token = tl.sum(_argmax_token(keys), axis=0)
@@ -191,13 +225,15 @@ def mtp_forward(
     positions: torch.Tensor,
     meta: AttentionMetadata,
     caches: tuple[torch.Tensor, torch.Tensor],
+    prev_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The module over a flat batch of rows on the fused kernels (its block as forward_unnormed runs a layer; rows
     whose context length is 0 in a decode-shaped step compute nothing): the block's output and residual, [T, hidden]
-    each, whose sum is its output (the kernel after it adds them, with the out norm where it needs one)."""
+    each, whose sum is its output (the kernel after it adds them, with the out norm where it needs one). With
+    prev_residual, prev_state + prev_residual is the target's last layer output, which its final norm takes first."""
     cfg, eps, block = model.config, model.config.rms_norm_eps, mtp.block
     live = live_rows(meta)
-    h = kernels.linear(block_input(mtp, token_ids, prev_state), mtp.proj, live=live)
+    h = kernels.linear(block_input(kernels, mtp, token_ids, prev_state, prev_residual), mtp.proj, live=live)
     qkv, residual = kernels.norm_linear(h, None, block.input_norm, eps, block.qkv, live=live)
     if block.qkv_bias is not None:
         qkv = qkv + block.qkv_bias
@@ -223,22 +259,30 @@ def mtp_forward(
     return kernels.linear_into(act, block.down, residual, None, None, live=live)
 
 
-def block_input(mtp: MtpModule, token_ids: torch.Tensor, prev_state: torch.Tensor) -> torch.Tensor:
-    """MtpModule.block_input's concatenation of the normed embedding and state, [T, 2 * hidden], in one pass."""
-    embed, dim = mtp.model.embed, prev_state.shape[1]
+def block_input(
+    kernels: CudaKernels, mtp: MtpModule, token_ids: torch.Tensor, prev_state: torch.Tensor, prev_residual=None
+) -> torch.Tensor:
+    """MtpModule.block_input's concatenation of the normed embedding and state, [T, 2 * hidden], in one pass (with
+    prev_residual: of the target's final norm of prev_state + prev_residual)."""
+    model, dim = mtp.model, prev_state.shape[1]
     out = torch.empty(token_ids.shape[0], 2 * dim, dtype=prev_state.dtype, device=prev_state.device)
+    final = prev_residual is not None
     if out.shape[0]:
         _block_input_kernel[(out.shape[0],)](
             token_ids,
-            embed,
+            model.embed,
             prev_state.contiguous(),
+            prev_residual if final else prev_state,
+            model.norm,
             mtp.embed_norm,
             mtp.hidden_norm,
             out,
             dim,
             mtp.eps,
+            FINAL=final,
             HIDDEN_FIRST=mtp.layout.hidden_first,
             BLOCK=_pow2(dim),
+            **kernels._pdl,
         )
     return out
 
@@ -293,13 +337,15 @@ class DeviceMtpDrafter(DeviceVerifier):
         return block_size * model.config.hidden_size * model.dtype.itemsize
 
     # --- around a spec chunk ---------------------------------------------------------------------------------
-    def before_chunk(self, batch) -> None:
-        """Each row's drafts for the chunk about to be queued (its request's adaptive K, 0 while paused), after
-        the module caught up over the positions decode steps left out."""
+    def before_chunk(self, batch, probe: bool = False) -> None:
+        """Each row's drafts for the chunk about to be queued (its request's adaptive K, 0 while paused; at most
+        PROBE_DRAFTS in a probe: the cheapest round that still shows whether the text drafts well), after the
+        module caught up over the positions decode steps left out."""
         self._resume(batch)
         limits = self.host_limit.numpy()
         for j, item in enumerate(batch):
-            limits[j] = self._tracker(item.seq).drafts_wanted()
+            wanted = self._tracker(item.seq).drafts_wanted()
+            limits[j] = min(wanted, PROBE_DRAFTS) if probe else wanted
         self.limit[: len(batch)].copy_(self.host_limit[: len(batch)], non_blocking=True)
 
     def after_chunk(self, batch, row_stats) -> None:
@@ -369,6 +415,7 @@ class DeviceMtpDrafter(DeviceVerifier):
             K=k,
             Q_BLOCK=_pow2(k + 1),
             BLOCK_SIZE=block_size,
+            **self.kernels._pdl,
         )
         chained = self.states[self.state_slot[:rows]]
         token = self._greedy(self.mtp.head_input(self.kernels, chained), self.draft_live[:rows], ids[1:])
@@ -394,9 +441,10 @@ class DeviceMtpDrafter(DeviceVerifier):
             hist.stride(0),
             K=k,
             Q_BLOCK=_pow2(k + 1),
+            **self.kernels._pdl,
         )
         meta = self._meta(self.catch_slot[:t], self.catch_ctx[:t], tables)
-        self._catch_up(self.catch_ids[:t], self._final_normed(hidden, residual), positions, meta)
+        self._catch_up(self.catch_ids[:t], hidden, positions, meta, residual)
 
     # --- inside a captured decode step, and after an eager one ------------------------------------------------
     def after_decode(self, hidden, residual, ids, positions, meta) -> None:
@@ -441,9 +489,10 @@ class DeviceMtpDrafter(DeviceVerifier):
         token_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return token_ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta
 
-    def _catch_up(self, token_ids, hidden, positions, meta: AttentionMetadata) -> None:
-        """The module over positions the target kept; each row's chained state lands at its KV slot."""
-        out, residual = self._forward(token_ids, hidden, positions, meta)
+    def _catch_up(self, token_ids, hidden, positions, meta: AttentionMetadata, residual=None) -> None:
+        """The module over positions the target kept (their final hidden states, or with residual the last layer's
+        output and residual); each row's chained state lands at its KV slot."""
+        out, residual = self._forward(token_ids, hidden, positions, meta, residual)
         self._store(out, residual, meta.slot_mapping, self.mtp.out_norm if self.mtp.layout.chains_normed else None)
 
     def _store(self, x, residual, slots, norm) -> None:
@@ -459,10 +508,14 @@ class DeviceMtpDrafter(DeviceVerifier):
                 self.model.config.rms_norm_eps,
                 NORM=norm is not None,
                 BLOCK=_pow2(x.shape[1]),
+                **self.kernels._pdl,
             )
 
-    def _forward(self, token_ids, prev_state, positions, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        return mtp_forward(self.model, self.kernels, self.mtp, token_ids, prev_state, positions, meta, self.caches)
+    def _forward(self, token_ids, prev_state, positions, meta, prev_residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        return mtp_forward(
+            m, self.kernels, self.mtp, token_ids, prev_state, positions, meta, self.caches, prev_residual
+        )
 
     def _chained(self, out, residual) -> tuple[torch.Tensor, torch.Tensor]:
         """The module's output as the next chained step takes it and as the head reads it: one add + norm pass."""
@@ -476,12 +529,8 @@ class DeviceMtpDrafter(DeviceVerifier):
         rows = head_in.shape[0]
         keys = self.kernels.argmax_keys(self.kernels.linear(head_in, self.head, live=live))
         tokens = self.tokens[:rows]
-        _draft_token_kernel[(rows,)](keys, live, tokens, column, self.k + 1, CHUNKS=keys.shape[1])
+        _draft_token_kernel[(rows,)](keys, live, tokens, column, self.k + 1, CHUNKS=keys.shape[1], **self.kernels._pdl)
         return tokens
-
-    def _final_normed(self, hidden, residual) -> torch.Tensor:
-        """The target's final hidden states (after its last norm), as an eager step hands them over."""
-        return self.kernels.add_rmsnorm(hidden, residual, self.model.norm, self.model.config.rms_norm_eps)[0]
 
     def _meta(self, slots, ctx, tables) -> AttentionMetadata:
         """A decode-shaped step: each row attends as a decode row of its own (its context ends at its position)."""

@@ -637,7 +637,7 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
-        self.device_drafter.before_chunk(batch)
+        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
         self._upload_tables(batch)
 
     def _last_writable(self, seq: Sequence) -> int:
@@ -673,7 +673,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
-        self.device_drafter.before_chunk(batch)
+        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
         self._upload_tables(batch)
         return starts
 
