@@ -8,12 +8,14 @@ on the GPU, graphs replayed directly (CUDA events around the replays only):
   and a captured MTP round (drafts + verify + verdict + catch-up) for
   K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2); the round twice: drafts rejected (the random module)
   and drafts accepted (the copying module, whose catch-up runs over all K + 1 rows);
-- the round's parts, each captured alone: the drafts, and the catch-up (the rest is the verify step);
+- the round's parts, each captured alone: the drafts, and the catch-up (the rest is the verify step); and the
+  wall time of the catch-up a spec chunk runs over positions decode steps left out;
 - from those ratios, the per-token acceptance at which a round breaks even with decode steps and the speedup at
   85% and 90% (tokens a round = 1 + a + ... + a^K for acceptance a at each draft position, chain ending at the
   first miss);
 - end to end through the engine (adaptive mode on, as shipped): --spec mtp vs --spec none tok/s, with the random
-  module (acceptance ~0: adaptive mode must keep >= 0.9x) and with the copying module (acceptance ~1);
+  module (acceptance ~0: adaptive mode must keep >= 0.9x) and with the copying module (acceptance ~1), the median
+  of three runs after a warm-up run;
 - each for every --draft-heads value (spec_draft_head: the target's bf16 LM head, or an fp8 copy for the drafts).
 Prints a short table, writes every number as JSON.
 """
@@ -34,7 +36,7 @@ from flashnext.plugins.cuda import CudaBackend
 
 SHAPE, KS, ACCEPTANCES = "qwen3-0.6b", (1, 2, 3), (0.85, 0.90)
 TARGETS = {1: 1.6, 2: 1.9, 3: 2.2}
-PROMPT_LEN, REPLAYS = 64, 8
+PROMPT_LEN, REPLAYS, RUNS = 64, 8, 3
 
 
 def make_llm(loaded, spec: str, k: int = 1, head: str = "target") -> LLM:
@@ -149,20 +151,40 @@ def break_even(cost: float, k: int) -> float | None:
 
 
 def tok_s(llm: LLM, gen_len: int) -> tuple[float, dict]:
-    """Decode tok/s of one batch-1 request after the same request once (graphs captured, kernels compiled)."""
+    """Decode tok/s of one batch-1 request, the median of RUNS after the same request once (graphs captured, kernels
+    compiled; an occasional first compile of an eager step's kernel lands in one run, not in the median)."""
     vocab = llm.engine.config.vocab_size
     prompt = [(11 * i + 5) % vocab for i in range(PROMPT_LEN)]
     params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
-    llm.engine.generate([prompt], params)  # every path the run takes, compiled (the kind chooser's retries too)
+    [first] = llm.engine.generate([prompt], params)
     before = llm.engine.spec_stats()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    [seq] = llm.engine.generate([prompt], params)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    rates = []
+    for _ in range(RUNS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        [seq] = llm.engine.generate([prompt], params)
+        torch.cuda.synchronize()
+        rates.append(len(seq.output_ids) / (time.perf_counter() - start))
+        assert seq.output_ids == first.output_ids
     after = llm.engine.spec_stats()
     spec = {key: after[key] - before[key] for key in ("drafts", "drafted", "accepted")}
-    return len(seq.output_ids) / elapsed, spec | {"tokens": seq.output_ids}
+    return sorted(rates)[RUNS // 2], spec | {"runs_tok_s": [round(r, 1) for r in rates], "tokens": seq.output_ids}
+
+
+def catch_up_after_decode_us(llm: LLM, rounds: int = 10) -> float:
+    """Wall time (host and GPU) of the module's catch-up over PROMPT_LEN - 1 positions decode steps left out, as a
+    spec chunk after them runs it (before_spec)."""
+    runner = llm.engine.runner
+    [item] = prefilled(llm)
+    times = []
+    for _ in range(rounds):
+        item.seq.spec_tracker.behind = 1
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.device_drafter.before_spec([item])
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times)[rounds // 2]
 
 
 def main() -> None:
@@ -191,6 +213,7 @@ def main() -> None:
             cost = round_us / step
             parts = {f"{name}_over_decode": round(us / step, 3) for name, us in round_parts_us(llm).items()}
             decode = decode_step_us(llm) / step  # its decode steps keep the target's states for the module
+            catch_up_us = catch_up_after_decode_us(llm)
             rate, run = tok_s(llm, args.gen_len)
             key = variant(k, head)
             out["rounds"][name][key] = {
@@ -198,6 +221,7 @@ def main() -> None:
                 "target": TARGETS[k],
                 "mtp_decode_step_over_decode": round(decode, 3),
                 **parts,
+                f"catch_up_after_decode_{PROMPT_LEN - 1}_positions_us": round(catch_up_us, 1),
             }
             out["e2e"][name][key] = {
                 "mtp_tok_s": round(rate, 1),

@@ -199,6 +199,9 @@ class DeviceVerifier:
         drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
         return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
+    def before_spec(self, batch) -> None:
+        """Spec chunks for `batch` follow other kinds of step."""
+
     def before_chunk(self, batch, probe: bool = False) -> None:
         """A spec chunk for `batch` is about to be queued (probe: a retry of spec chunks while decode chunks lead)."""
 

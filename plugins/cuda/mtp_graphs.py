@@ -341,7 +341,7 @@ class DeviceMtpDrafter(DeviceVerifier):
         """Each row's drafts for the chunk about to be queued (its request's adaptive K, 0 while paused; at most
         PROBE_DRAFTS in a probe: the cheapest round that still shows whether the text drafts well), after the
         module caught up over the positions decode steps left out."""
-        self._resume(batch)
+        self.before_spec(batch)
         limits = self.host_limit.numpy()
         for j, item in enumerate(batch):
             wanted = self._tracker(item.seq).drafts_wanted()
@@ -356,7 +356,7 @@ class DeviceMtpDrafter(DeviceVerifier):
 
     def before_decode(self, batch) -> None:
         """A decode chunk from each sequence's next position on is queued: its steps keep the target's states and
-        leave the module's entries out, until a step that runs the module (_resume)."""
+        leave the module's entries out, until a step that runs the module (before_spec)."""
         for item in batch:
             tracker, start = self._tracker(item.seq), item.seq.num_computed
             tracker.behind = start if tracker.behind is None else min(tracker.behind, start)
@@ -366,7 +366,7 @@ class DeviceMtpDrafter(DeviceVerifier):
             seq.spec_tracker = MtpTracker(k=self.k, k_max=self.k, adaptive=self.adaptive)
         return seq.spec_tracker
 
-    def _resume(self, batch) -> None:
+    def before_spec(self, batch) -> None:
         """The module over each sequence's positions that decode steps left out (from `behind` to the tokens the
         engine took), in one multi-row step from the target states kept at their slots: afterwards its cache
         holds what catching up step by step would have written. A sequence computed again from before `behind`
@@ -448,14 +448,14 @@ class DeviceMtpDrafter(DeviceVerifier):
 
     # --- inside a captured decode step, and after an eager one ------------------------------------------------
     def after_decode(self, hidden, residual, ids, positions, meta) -> None:
-        """The step's final hidden states (after the target's last norm) at its positions' slots, for _resume."""
+        """The step's final hidden states (after the target's last norm) at its positions' slots, for before_spec."""
         self._store(hidden, residual, meta.slot_mapping, self.model.norm)
 
     def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         """Each sequence's computed positions pair with the tokens after them: the prompt's own, then the token
         sampled after its last (a prompt chunk's is the next prompt token); positions decode steps left out
         before them first."""
-        self._resume(batch)
+        self.before_spec(batch)
         spans, fills, picks, row, rows = [], [], [], 0, 0
         for item in batch:
             seq, n = item.seq, item.num_tokens
@@ -546,9 +546,15 @@ class DeviceMtpDrafter(DeviceVerifier):
 
 def draft_head(model: DecoderModel, kind: str):
     """The vocabulary projection drafts are read through: the target's, or with kind "fp8" an fp8-e4m3 copy with a
-    scale a row where the target's is 16-bit (half the bytes a draft step streams; drafts need not be exact, the
-    verify step reads the target's own head)."""
+    scale a row where the target's is 16-bit and the GPU reads fp8 (half the bytes a draft step streams; drafts need
+    not be exact, the verify step reads the target's own head)."""
     head = model.lm_head
-    if kind == "fp8" and isinstance(head, torch.Tensor) and head.dtype in (torch.bfloat16, torch.float16):
+    sixteen_bit = isinstance(head, torch.Tensor) and head.dtype in (torch.bfloat16, torch.float16)
+    if kind == "fp8" and sixteen_bit and reads_fp8(head.device):
         return fp8_quantize(head, "fp8-e4m3", per_channel=True)
     return head
+
+
+def reads_fp8(device: torch.device) -> bool:
+    """Whether the kernels read fp8-e4m3 weights on this device (Ada, Hopper on; the host in tests)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)

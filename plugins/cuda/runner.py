@@ -573,6 +573,8 @@ class CudaGraphRunner(ModelRunner):
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
+        # Work the drafter owes the decode chunks before (MTP's catch-up) is the switch's cost, not spec's rate.
+        self.device_drafter.before_spec(batch)
         self._round = ("spec", time.perf_counter(), self.graph_captures)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
