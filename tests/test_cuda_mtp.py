@@ -224,8 +224,8 @@ def test_a_request_keeps_its_acceptance_through_chunks_it_is_not_in(tiny_random,
 
 
 def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):
-    """spec_draft_head=fp8: drafts read an fp8-e4m3 copy (a scale a row) of a 16-bit head; an fp32 or already
-    quantized head is read as it is."""
+    """spec_draft_head=fp8 (the CUDA full profile's): drafts read an fp8-e4m3 copy (a scale a row) of a 16-bit
+    head; an fp32 or already quantized head is read as it is."""
     model = types.SimpleNamespace(lm_head=torch.randn(64, 32).bfloat16())
     copy = draft_head(model, "fp8")
     assert isinstance(copy, Fp8Weight) and copy.fmt == "fp8-e4m3" and copy.scale.shape == (64, 1)
@@ -233,6 +233,7 @@ def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):
     assert draft_head(model, "target") is model.lm_head
     fp32 = types.SimpleNamespace(lm_head=torch.randn(64, 32))
     assert draft_head(fp32, "fp8") is fp32.lm_head
+    assert CudaBackend().profiles()["full"].spec_draft_head == "fp8"
 
 
 @pytest.mark.gpu
