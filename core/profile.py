@@ -29,6 +29,10 @@ class Profile(BaseModel):
     # Drafting pauses while more requests than this share a step: a big batch already keeps the GPU busy, and on
     # CUDA the verify step reproduces decode's numbers exactly only up to this batch size (row-invariant kernels).
     spec_max_batch: int = Field(default=8, ge=1, le=4096)
+    # The vocabulary projection MTP drafts are read through where the backend drafts on its device: the target's
+    # own LM head, or an fp8-e4m3 copy of a 16-bit one (drafts only: verification reads the target's head, so
+    # outputs are unchanged; the copy costs vocab x hidden bytes of device memory).
+    spec_draft_head: Literal["target", "fp8"] = "target"
     max_num_seqs: int = Field(default=16, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=1024, ge=MIN_BATCHED_TOKENS)
     max_model_len: int | None = Field(default=None, ge=16)  # None: the model's own context length

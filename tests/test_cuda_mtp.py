@@ -2,6 +2,7 @@
 a from-scratch run (CPU, Triton interpreter, graph bodies run eagerly); on a GPU, the captured graphs themselves."""
 
 import os
+import types
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from flashnext.core.engine.engine import LLMEngine  # noqa: E402
 from flashnext.core.engine.scheduler import ScheduledSeq  # noqa: E402
 from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from flashnext.core.metrics import ServerMetrics  # noqa: E402
+from flashnext.core.precision import Fp8Weight  # noqa: E402
 from flashnext.plugins.cuda import CudaBackend  # noqa: E402
+from flashnext.plugins.cuda.mtp_graphs import MtpTracker, draft_head  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
 from test_cuda_spec import _EagerGraph  # noqa: E402
 
@@ -126,7 +129,55 @@ def test_the_device_cache_holds_what_a_from_scratch_run_computes(tiny_random, mt
     for device_cache, host_cache in zip(device.caches, (host.k_cache, host.v_cache)):
         torch.testing.assert_close(device_cache.flatten(0, 1)[slots(seq)], host_cache.flatten(0, 1)[slots(again)])
     state = device.states[slots(seq)[-1:]]
-    assert device._greedy(state).tolist() == again.draft_ids[:1]
+    assert first_draft(device, state) == again.draft_ids[:1]
+
+
+def first_draft(device, state) -> list[int]:
+    """The device drafter's greedy draft from a chained state (one live row)."""
+    column = torch.zeros(device.k + 1, dtype=torch.int64, device=state.device)
+    live = torch.ones(1, dtype=torch.int32, device=state.device)
+    return device._greedy(device.mtp.head_input(device.kernels, state), live, column).tolist()
+
+
+@pytest.mark.slow
+def test_decode_steps_leave_the_module_out_and_the_next_spec_chunk_catches_it_up(tiny_random, mtp_engine):
+    """Decode chunks keep the target's final states and run no module step (its cache stays unwritten there); the
+    spec chunk after them first catches the module up over those positions in one step, so its cache and first
+    draft equal a from-scratch run's, and the output stays --spec none's."""
+    loaded = with_mtp_module(tiny_random)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    [want] = generate(mtp_engine(loaded, spec="none"), PROMPTS[:1], params)
+    engine = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False)
+    runner, device = engine.runner, engine.runner.device_drafter
+    runner.max_decode_steps = 2  # short decode chunks: the interpreter is slow
+    decode_only = True
+    runner._spec_possible = lambda batch: not decode_only and CudaGraphRunner._spec_possible(runner, batch)
+    seq = engine.add_request(PROMPTS[0], params)
+    bs, prompt = engine.blocks.block_size, len(PROMPTS[0])
+
+    def slots(s, n):
+        return torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(n)])
+
+    while len(seq.output_ids) < 5:
+        engine.step()
+    assert seq.spec_tracker.behind == prompt  # decode chunks from the first token after the prompt on
+    left_out = slots(seq, seq.num_computed)[prompt:]
+    assert not device.caches[0].flatten(0, 1)[left_out].any()
+    decode_only = False
+    while seq.spec_tracker.behind is not None or not device.totals[0]:
+        engine.step()
+    kept = seq.num_computed
+    fresh = mtp_engine(loaded, spec="mtp", spec_tokens=2, spec_adaptive=False, cuda_graphs=False)
+    again = fresh.add_request(seq.token_ids[:kept], SamplingParams(max_tokens=4, ignore_eos=True))
+    fresh.step()
+    for device_cache, host_cache in zip(device.caches, (fresh.spec.drafter.k_cache, fresh.spec.drafter.v_cache)):
+        torch.testing.assert_close(
+            device_cache.flatten(0, 1)[slots(seq, kept)], host_cache.flatten(0, 1)[slots(again, kept)]
+        )
+    assert first_draft(device, device.states[slots(seq, kept)[-1:]]) == again.draft_ids[:1]
+    while engine.has_work():
+        engine.step()
+    assert seq.output_ids == want
 
 
 def test_mtp_metrics_name_the_graph_path(tiny_random, mtp_engine):
@@ -155,13 +206,46 @@ def test_mtp_rows_stop_drafting_while_their_drafts_fail(tiny_random, mtp_engine)
         assert seen == limits
 
 
+def test_a_request_keeps_its_acceptance_through_chunks_it_is_not_in(tiny_random, mtp_engine):
+    """A request's adaptive state lives on the request (seq.spec_tracker, gone with it): paused by failed drafts,
+    it stays paused after a chunk of another batch, and each request keeps its own K."""
+    engine = mtp_engine(with_mtp_module(tiny_random), spec="mtp", spec_tokens=3)
+    drafter = engine.runner.device_drafter
+    failing, fine = (ScheduledSeq(Sequence([5, 9, 14], SamplingParams()), 1, 1) for _ in range(2))
+    for _ in range(2):
+        drafter.before_chunk([failing, fine])
+        drafter.after_chunk([failing, fine], [[8, 8, 24, 0, 0, 0, 0], [8, 8, 24, 24, 8, 8, 8]])
+    drafter.before_chunk([fine])
+    drafter.before_chunk([failing, fine])
+    assert drafter.limit[:2].tolist() == [0, 3]
+    assert isinstance(failing.seq.spec_tracker, MtpTracker) and failing.seq.spec_tracker.pause_left > 0
+    drafter.before_chunk([failing, fine], probe=True)  # the kind chooser's retry: one draft a step at most
+    assert drafter.limit[:2].tolist() == [0, 1]
+
+
+def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):
+    """spec_draft_head=fp8 (the CUDA full profile's): drafts read an fp8-e4m3 copy (a scale a row) of a 16-bit
+    head; an fp32 or already quantized head is read as it is."""
+    model = types.SimpleNamespace(lm_head=torch.randn(64, 32).bfloat16())
+    copy = draft_head(model, "fp8")
+    assert isinstance(copy, Fp8Weight) and copy.fmt == "fp8-e4m3" and copy.scale.shape == (64, 1)
+    torch.testing.assert_close(copy.dequantize(torch.float32), model.lm_head.float(), rtol=0.07, atol=1e-3)
+    assert draft_head(model, "target") is model.lm_head
+    fp32 = types.SimpleNamespace(lm_head=torch.randn(64, 32))
+    assert draft_head(fp32, "fp8") is fp32.lm_head
+    assert CudaBackend().profiles()["full"].spec_draft_head == "fp8"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int4"])
-def test_mtp_graphs_give_the_plain_tokens(precision):
+@pytest.mark.parametrize(
+    "precision,head", [("fp32", "target"), ("bf16", "target"), ("int4", "target"), ("bf16", "fp8")]
+)
+def test_mtp_graphs_give_the_plain_tokens(precision, head):
     """--spec mtp with captured graphs == --spec none, batch 1 and batched, greedy and seeded, fixed K and adaptive,
     prompts in chunks, with drafts accepted (the copying module) and rejected (a random one): the verify rows run
-    the decode step's row-invariant kernels, and the module's work never touches the target's numbers."""
+    the decode step's row-invariant kernels, and the module's work never touches the target's numbers. Also with
+    the drafts read through an fp8 copy of the head (they stay mostly accepted)."""
     from flashnext.core.cli_bench import random_model
     from flashnext.core.llm import LLM
 
@@ -179,6 +263,7 @@ def test_mtp_graphs_give_the_plain_tokens(precision):
                 spec=spec,
                 spec_tokens=3,
                 spec_adaptive=adaptive,
+                spec_draft_head=head,
                 max_model_len=256,
                 max_num_seqs=4,
                 max_num_batched_tokens=32,

@@ -199,11 +199,17 @@ class DeviceVerifier:
         drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
         return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
-    def before_chunk(self, batch) -> None:
-        """A spec chunk for `batch` is about to be queued."""
+    def before_spec(self, batch) -> None:
+        """Spec chunks for `batch` follow other kinds of step."""
+
+    def before_chunk(self, batch, probe: bool = False) -> None:
+        """A spec chunk for `batch` is about to be queued (probe: a retry of spec chunks while decode chunks lead)."""
 
     def after_chunk(self, batch, row_stats) -> None:
         """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""
+
+    def before_decode(self, batch) -> None:
+        """A decode chunk for `batch` is about to be queued."""
 
     def after_eager(self, batch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
         """An eager step ran `batch` (its final hidden states and samples)."""

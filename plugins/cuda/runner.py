@@ -175,9 +175,7 @@ class CudaGraphRunner(ModelRunner):
     def _device_drafter(self, setup: RunnerSetup) -> DeviceNgramDrafter | DeviceMtpDrafter:
         if self.profile.spec == "mtp":
             max_context = self.table_width * self.block_size
-            return DeviceMtpDrafter(
-                self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile.spec_adaptive
-            )
+            return DeviceMtpDrafter(self.model, setup, self.verify_len - 1, self.spec_rows, max_context, self.profile)
         return DeviceNgramDrafter(self.kernels, self.verify_len - 1)
 
     @classmethod
@@ -273,6 +271,8 @@ class CudaGraphRunner(ModelRunner):
         greedy = all(item.seq.params.temperature == 0 for item in batch)
         self._ensure_graphs(batch, bucket, greedy)
         self._fill_inputs(batch, bucket)
+        if self.device_drafter:
+            self.device_drafter.before_decode(batch)
         graph = self.graphs[(bucket, greedy, "decode")]
         self._replay_decode(graph, steps)
         return self._read_chunk(batch, graph, steps)
@@ -573,6 +573,8 @@ class CudaGraphRunner(ModelRunner):
 
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
+        # Work the drafter owes the decode chunks before (MTP's catch-up) is the switch's cost, not spec's rate.
+        self.device_drafter.before_spec(batch)
         self._round = ("spec", time.perf_counter(), self.graph_captures)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
@@ -637,7 +639,7 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
-        self.device_drafter.before_chunk(batch)
+        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
         self._upload_tables(batch)
 
     def _last_writable(self, seq: Sequence) -> int:
@@ -673,7 +675,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
-        self.device_drafter.before_chunk(batch)
+        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
         self._upload_tables(batch)
         return starts
 
