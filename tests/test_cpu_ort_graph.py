@@ -262,3 +262,12 @@ def test_the_route_is_an_env_setting(monkeypatch):
     monkeypatch.setenv("FLASHNEXT_INT4_ROUTE", "fast")
     with pytest.raises(UserError, match="int4_route"):
         resolve_profile(CpuBackend(), None, {})
+
+
+def test_a_head_the_graph_cannot_read_keeps_the_torch_route(q4_1_llama):
+    from flashnext.plugins.cpu.ort_graph import unsupported
+
+    model = engine_for(q4_1_llama, "torch").model
+    assert unsupported(model, torch.float32) is None
+    model.lm_head = model.layers[0].qkv  # an Int4Weight (not the embedding's shape), as an int4 head would be
+    assert "LM head is stored as Int4Weight" in unsupported(model, torch.float32)

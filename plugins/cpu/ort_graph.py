@@ -53,6 +53,9 @@ def unsupported(model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
                 return "the projections are not int4"
             if w.group_size not in BLOCK_SIZES:
                 return f"int4 group size {w.group_size} is not one MatMulNBits takes ({BLOCK_SIZES})"
+    head = head_weight(model)
+    if not isinstance(head, torch.Tensor) or head.dtype not in (torch.float32, torch.float16):
+        return f"the LM head is stored as {getattr(head, 'dtype', type(head).__name__)}, not float32 or float16"
     if model.config.hidden_size % HEAD_BLOCK:
         return f"the hidden size {model.config.hidden_size} is not a multiple of the LM head's block {HEAD_BLOCK}"
     return None
