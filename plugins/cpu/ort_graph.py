@@ -9,8 +9,8 @@ logits are wanted. A step is one session call for all its one-token rows, plus o
 a verify step): GroupQueryAttention takes several tokens a row only for one row at a time.
 
 An Int4Weight value is q * scale + offset (q = 0..15); MatMulNBits computes (q - zero_point) * scale with integer
-zero points. Symmetric weights (offset = -8 * scale) are exactly zero point 8. Otherwise the codes run with zero
-point 0 and the offsets are added as a dense product of each group's column sum: sum_g offset_g * sum(x_g).
+zero points. The codes run with zero point 8, exactly symmetric weights (offset = -8 * scale); what an offset adds
+beyond that is a dense product of each group's column sum: sum_g (offset_g + 8 * scale_g) * sum(x_g).
 """
 
 from dataclasses import dataclass
@@ -332,15 +332,15 @@ class GraphBuilder:
         g = w.group_size
         codes = self.const(w.packed.reshape(n, k // g, g // 2).numpy(), "codes")
         scales = self.const(w.scales.float().reshape(-1).numpy(), "scales")
-        symmetric = bool(torch.equal(w.offsets.float(), -8.0 * w.scales.float()))
-        inputs = [x, codes, scales]
-        if not symmetric:  # zero point 0: the codes' own value; the offsets follow as a dense term
-            inputs.append(self.const(np.zeros((n, -(-(k // g) // 2)), dtype=np.uint8), "zero"))
         attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=self.accuracy_level)
-        y = self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
-        if not symmetric:  # [B, K] @ [K, groups] of ones: each group's column sum
-            sums = self.one("MatMul", [x, self.group_ones(k, g)])
-            y = self.one("Add", [y, self.one("MatMul", [sums, self.const(w.offsets.float().T.numpy(), "offsets")])])
+        y = self.one("MatMulNBits", [x, codes, scales], domain=MS_DOMAIN, **attrs)  # zero point 8: (q - 8) * scale
+        # What the group's offset adds beyond -8 * scale (nothing for symmetric weights), as a dense term over each
+        # group's column sum. Centred codes matter with int8 activations: their rounding errors then cancel within
+        # a group instead of adding up along the codes' mean.
+        residual = w.offsets.float() + 8.0 * w.scales.float()
+        if bool(residual.any()):
+            sums = self.one("MatMul", [x, self.group_ones(k, g)])  # [B, K] @ [K, groups] of ones
+            y = self.one("Add", [y, self.one("MatMul", [sums, self.const(residual.T.numpy(), "offsets")])])
         if bias is not None:
             y = self.one("Add", [y, self.const(bias.float().numpy(), "bias")])
         return y
