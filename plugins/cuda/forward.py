@@ -29,66 +29,53 @@ def forward_unnormed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last layer's output and the residual stream before it, [T, hidden] each: the final norm is left to
     the kernel after it (the vocabulary projection can take it in its prologue)."""
+    cfg, eps = model.config, model.config.rms_norm_eps
     live = live_rows(meta)
     hidden = model.embed_tokens(input_ids)  # model.kernels is kernels; tensor-parallel: vocabulary slices
     residual = None
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
+        qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        attn = kernels.rope_attention(
+            qkv,
+            layer.q_norm,
+            layer.k_norm,
+            eps,
+            positions,
+            model.cos_sin,
+            k_cache,
+            v_cache,
+            meta,
+            model.scale,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            feeds=layer.o,
+        )
+        out, residual = _row_parallel(model, kernels, attn, layer.o, residual, layer.post_norm, layer.gate_up, live)
+        act, residual = kernels.norm_linear(
+            out, residual, layer.post_norm, eps, layer.gate_up, silu=True, feeds=layer.down, live=live
+        )
         following = model.layers[i + 1] if i + 1 < len(model.layers) else None
-        hidden, residual = fused_layer(
-            model, kernels, layer, hidden, residual, positions, meta, (k_cache, v_cache), following, live
+        hidden, residual = _row_parallel(
+            model,
+            kernels,
+            act,
+            layer.down,
+            residual,
+            following and following.input_norm,
+            following and following.qkv,
+            live,
         )
     return hidden, residual
 
 
-def fused_layer(
-    model: DecoderModel,
-    kernels: CudaKernels,
-    layer,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    positions: torch.Tensor,
-    meta: AttentionMetadata,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    following,
-    live,
-    sharded: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer's (output, residual stream) on the fused kernels. `following` is the next layer, whose input
-    norm and qkv projection ride in this one's down-projection epilogue (None: the last). `sharded`: the layer's
-    weights are a tensor-parallel rank's where the model is split (an MTP module's block is whole)."""
-    cfg, eps = model.config, model.config.rms_norm_eps
-    qkv, residual = kernels.norm_linear(hidden, residual, layer.input_norm, eps, layer.qkv, live=live)
-    if layer.qkv_bias is not None:
-        qkv = qkv + layer.qkv_bias
-    attn = kernels.rope_attention(
-        qkv,
-        layer.q_norm,
-        layer.k_norm,
-        eps,
-        positions,
-        model.cos_sin,
-        *kv_cache,
-        meta,
-        model.scale,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        feeds=layer.o,
-    )
-    reduce = model if sharded else None
-    out, residual = _row_parallel(reduce, kernels, attn, layer.o, residual, layer.post_norm, layer.gate_up, live)
-    act, residual = kernels.norm_linear(
-        out, residual, layer.post_norm, eps, layer.gate_up, silu=True, feeds=layer.down, live=live
-    )
-    norm_w, feeds = (following.input_norm, following.qkv) if following is not None else (None, None)
-    return _row_parallel(reduce, kernels, act, layer.down, residual, norm_w, feeds, live)
-
-
-def _row_parallel(model: DecoderModel | None, kernels: CudaKernels, x, w, residual, norm_w, feeds, live):
-    """kernels.linear_into; where the weights are one tensor-parallel rank's (model: the split model, else None),
-    the partial product is all-reduced first (an NCCL call the decode graphs capture), and the residual add and norm
-    that linear_into may fuse into its epilogue wait for the sum: norm_linear does them after it."""
-    if model is None or model.parallel is None:
+def _row_parallel(model: DecoderModel, kernels: CudaKernels, x, w, residual, norm_w, feeds, live):
+    """kernels.linear_into; where the weights are one tensor-parallel rank's, the partial product is all-reduced
+    first (an NCCL call the decode graphs capture), and the residual add and norm that linear_into may fuse into
+    its epilogue wait for the sum: norm_linear does them after it."""
+    if model.parallel is None:
         return kernels.linear_into(x, w, residual, norm_w, feeds, live=live)
     return model.reduced(kernels.linear(x, w, live=live)), residual
 

@@ -29,7 +29,7 @@ from flashnext.core.spec.mtp import MtpModule
 
 from .decode_step import _argmax_token
 from .drafting import DeviceVerifier
-from .forward import fused_layer, live_rows
+from .forward import live_rows
 from .kernels import CudaKernels
 from .primitives import _after_producer, _pow2
 
@@ -227,13 +227,36 @@ def mtp_forward(
     caches: tuple[torch.Tensor, torch.Tensor],
     prev_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The module over a flat batch of rows on the fused kernels (its block through fused_layer; rows
+    """The module over a flat batch of rows on the fused kernels (its block as forward_unnormed runs a layer; rows
     whose context length is 0 in a decode-shaped step compute nothing): the block's output and residual, [T, hidden]
     each, whose sum is its output (the kernel after it adds them, with the out norm where it needs one). With
     prev_residual, prev_state + prev_residual is the target's last layer output, which its final norm takes first."""
+    cfg, eps, block = model.config, model.config.rms_norm_eps, mtp.block
     live = live_rows(meta)
     h = kernels.linear(block_input(kernels, mtp, token_ids, prev_state, prev_residual), mtp.proj, live=live)
-    return fused_layer(model, kernels, mtp.block, h, None, positions, meta, caches, None, live, sharded=False)
+    qkv, residual = kernels.norm_linear(h, None, block.input_norm, eps, block.qkv, live=live)
+    if block.qkv_bias is not None:
+        qkv = qkv + block.qkv_bias
+    attn = kernels.rope_attention(
+        qkv,
+        block.q_norm,
+        block.k_norm,
+        eps,
+        positions,
+        model.cos_sin,
+        *caches,
+        meta,
+        model.scale,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        feeds=block.o,
+    )
+    out, residual = kernels.linear_into(attn, block.o, residual, block.post_norm, block.gate_up, live=live)
+    act, residual = kernels.norm_linear(
+        out, residual, block.post_norm, eps, block.gate_up, silu=True, feeds=block.down, live=live
+    )
+    return kernels.linear_into(act, block.down, residual, None, None, live=live)
 
 
 def block_input(
