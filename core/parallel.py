@@ -267,6 +267,7 @@ class TensorParallel:
         while True:
             plan = self._broadcast(None)
             if plan is None:
+                self._leave()
                 return
             items, gone, want_hidden = plan
             for key in gone:
@@ -284,6 +285,13 @@ class TensorParallel:
         seq.token_ids += tokens
         seq.num_computed, seq.block_table, seq.draft_ids, seq.spec_enabled = computed, table, drafts, spec_enabled
         return ScheduledSeq(seq, num_tokens, num_logits)
+
+    def _leave(self) -> None:
+        """Ranks past 0, told to stop: the group ends here, not in the interpreter's teardown, where its threads
+        could still be running (observed: "terminate called without an active exception", SIGABRT, on a busy
+        machine). Rank 0 closes its sockets only after the barrier, so no rank is still reading the stop."""
+        dist.barrier(group=self.control)
+        dist.destroy_process_group()
 
     def _broadcast(self, message):
         box = [message]
@@ -311,6 +319,7 @@ class TensorParallel:
     def _send_stop(self) -> None:
         with contextlib.suppress(Exception):  # a rank already gone has nothing to be told
             self._broadcast(None)
+            dist.barrier(group=self.control)  # every rank has read the stop (see _leave)
 
     def explain_failure(self, wait_s: float = 5.0) -> None:
         """Called when something failed here: if a rank this process started died, its failure is the news (the

@@ -196,13 +196,19 @@ def test_ranks_leave_when_rank0_dies(tiny_llama, tmp_path):
             rank1.kill()
 
 
+def _rank_errors(stderr: str) -> str:
+    """The ranks' own error lines first: torchrun's closing summary names only the signal."""
+    marks = ("terminate", "what()", "Error", "error", "Fatal", "Abort", "Exception")
+    return "\n".join(line for line in stderr.splitlines() if any(m in line for m in marks))[-3000:] + stderr[-800:]
+
+
 @pytest.mark.slow
 def test_torchrun_ranks_join_its_group(tiny_llama):
     """Under torchrun every process runs the command; rank 0 alone prints, with one device's tokens."""
     command = ["run", "hello there", "--backend", "cpu", "--model", str(tiny_llama), "--max-tokens", "8", "--json"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "flashnext.core.cli"]
     res = subprocess.run(launcher + command + ["--tensor-parallel", "2"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.returncode == 0, _rank_errors(res.stderr)
     one = CliRunner().invoke(app, command).output  # the progress lines, then the JSON
     assert json.loads(res.stdout)["token_ids"] == json.loads(one[one.index("{") :])["token_ids"]
 
