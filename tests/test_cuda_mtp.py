@@ -21,7 +21,7 @@ from flashnext.core.precision import Fp8Weight  # noqa: E402
 from flashnext.plugins.cuda import CudaBackend  # noqa: E402
 from flashnext.plugins.cuda.mtp_graphs import MtpTracker, draft_head  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
-from test_cuda_spec import _EagerGraph  # noqa: E402
+from test_cuda_spec import CpuCuda, run_graphs_eagerly  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 8, 21, 7, 40, 2, 11, 60], [17, 4, 4, 90, 31, 6, 250, 8, 12]]
 
@@ -30,17 +30,6 @@ PROMPTS = [[5, 9, 14, 3, 8, 21, 7, 40, 2, 11, 60], [17, 4, 4, 90, 31, 6, 250, 8,
 def mtp_engine(monkeypatch):
     """LLMEngines running the CUDA runner with MTP on the CPU (graph bodies eager, as in test_cuda_spec.py); on a
     GPU machine, the real thing."""
-
-    class CpuCuda(CudaBackend):
-        def device(self):
-            return torch.device("cpu")
-
-        def free_memory_bytes(self):
-            return 1 << 28
-
-        def peak_memory_bytes(self, run):
-            run()
-            return 0
 
     def make(loaded, precision="fp32", **settings):
         backend = CudaBackend() if torch.cuda.is_available() else CpuCuda()
@@ -54,20 +43,7 @@ def mtp_engine(monkeypatch):
         return LLMEngine(backend, loaded, precision, profile)
 
     if not torch.cuda.is_available():
-
-        def capture(self, key, body, query_rows):
-            self.graphs[key] = _EagerGraph(self, key, body, query_rows)
-            self.graph_captures += 1
-            return self.graphs[key]
-
-        def to_host(self, tokens, host, meanwhile=None):
-            host.copy_(tokens)
-            if meanwhile is not None:
-                meanwhile()
-            return host.numpy()
-
-        monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
-        monkeypatch.setattr(CudaGraphRunner, "_to_host", to_host)
+        run_graphs_eagerly(monkeypatch)
     return make
 
 

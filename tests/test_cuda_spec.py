@@ -22,6 +22,7 @@ from flashnext.core.model import DecoderModel  # noqa: E402
 from flashnext.core.precision import PRECISIONS  # noqa: E402
 from flashnext.core.profile import Profile  # noqa: E402
 from flashnext.core.spec.ngram import lookup  # noqa: E402
+from flashnext.plugins.cuda import CudaBackend  # noqa: E402
 from flashnext.plugins.cuda.kernels import CudaKernels  # noqa: E402
 from flashnext.plugins.cuda.launch import LARGE_GEMV_MAX_ROWS, LONG_GEMV_MAX_ROWS  # noqa: E402
 from flashnext.plugins.cuda.runner import MAX_DECODE_STEPS, SPEC_CHUNK_STEPS, CudaGraphRunner, _Lookahead, copy_yield  # noqa: E402
@@ -415,27 +416,27 @@ class _EagerGraph:
             self.body()
 
 
-@pytest.fixture
-def cuda_engine_on_cpu(monkeypatch, tiny_random):
-    """LLMEngines running the whole CUDA runner (decode look-ahead, verify, spec chunks) on the CPU, graphs eager;
-    on a GPU machine, the real thing."""
-    from flashnext.core.engine.engine import LLMEngine
-    from flashnext.plugins.cuda import CudaBackend
+class CpuCuda(CudaBackend):
+    """The CUDA backend with its tensors on the CPU."""
 
-    def make(**settings):
-        backend = CudaBackend() if torch.cuda.is_available() else CpuCuda()
-        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
-        return LLMEngine(backend, tiny_random, "fp32", profile)
+    def device(self):
+        return torch.device("cpu")
 
-    if torch.cuda.is_available():
-        return make
+    def free_memory_bytes(self):
+        return 1 << 28
+
+    def peak_memory_bytes(self, run):
+        run()
+        return 0
+
+
+def run_graphs_eagerly(monkeypatch) -> None:
+    """On the CPU: a captured graph's body runs at each replay, and its tokens are on the host at once."""
 
     def capture(self, key, body, query_rows):
         self.graphs[key] = _EagerGraph(self, key, body, query_rows)
         self.graph_captures += 1
         return self.graphs[key]
-
-    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
 
     def to_host(self, tokens, host, meanwhile=None):  # eager "graphs" have already run: no wait
         host.copy_(tokens)
@@ -443,19 +444,23 @@ def cuda_engine_on_cpu(monkeypatch, tiny_random):
             meanwhile()
         return host.numpy()
 
+    monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
     monkeypatch.setattr(CudaGraphRunner, "_to_host", to_host)
 
-    class CpuCuda(CudaBackend):
-        def device(self):
-            return torch.device("cpu")
 
-        def free_memory_bytes(self):
-            return 1 << 28
+@pytest.fixture
+def cuda_engine_on_cpu(monkeypatch, tiny_random):
+    """LLMEngines running the whole CUDA runner (decode look-ahead, verify, spec chunks) on the CPU, graphs eager;
+    on a GPU machine, the real thing."""
+    from flashnext.core.engine.engine import LLMEngine
 
-        def peak_memory_bytes(self, run):
-            run()
-            return 0
+    def make(**settings):
+        backend = CudaBackend() if torch.cuda.is_available() else CpuCuda()
+        profile = backend.profiles()["full"].overridden(max_model_len=256, max_num_seqs=4, **settings)
+        return LLMEngine(backend, tiny_random, "fp32", profile)
 
+    if not torch.cuda.is_available():
+        run_graphs_eagerly(monkeypatch)
     return make
 
 
