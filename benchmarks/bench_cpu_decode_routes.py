@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashnext.core.engine.scheduler import ScheduledSeq
-from flashnext.core.engine.sequence import SamplingParams, Sequence
-from flashnext.core.llm import LLM
-from flashnext.core.loader import default_model_path, load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
+from flashnext.core.llm import LLM  # noqa: E402
+from flashnext.core.loader import default_model_path, load_model  # noqa: E402
+from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
 ROUTES = ("torch", "onnxruntime", "onnxruntime-int8", "onnxruntime-int8-spin")
@@ -207,16 +208,9 @@ def llamacpp_forward():
 
 
 def teacher_forced(engine, prompt: list[int], steps: int, tokens: list[int] | None = None) -> list[torch.Tensor]:
-    """Logits of the prompt's last position, then of `steps` decode steps fed `tokens` (else the greedy ones)."""
-    seq = Sequence(list(prompt), SamplingParams())
-    engine.blocks.grow(seq, len(prompt) + steps)
-    out = [engine.runner.run([ScheduledSeq(seq, len(prompt), 1)])[0][0]]
-    for step in range(steps):
-        seq.num_computed = len(seq.token_ids)
-        seq.token_ids.append(tokens[step] if tokens else int(out[-1].argmax()))
-        out.append(engine.runner.run([ScheduledSeq(seq, 1, 1)])[0][0])
-    engine.blocks.free_sequence(seq)
-    return out
+    """numerics.step_logits for one prompt: its last position's logits, then each decode step's, a row each."""
+    forced = [[t] for t in tokens] if tokens else None
+    return [step[0] for step in step_logits(engine, [prompt], steps, forced)]
 
 
 def _onnxruntime_version() -> str | None:

@@ -1,8 +1,10 @@
-"""Shared by the numerics tests: per-position logits through the engine, error and perplexity measures, prompts."""
+"""Shared by the numerics tests: per-position and teacher-forced decode logits through the engine, error and
+perplexity measures, prompts."""
 
 import torch
 
-from flashnext.core.engine.sequence import SamplingParams
+from flashnext.core.engine.scheduler import ScheduledSeq
+from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
 
 LONG_TEXT = (
@@ -47,6 +49,26 @@ def engine_outputs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
             chunks.append(logits)
             engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
     return torch.cat(states), torch.cat(chunks)
+
+
+def step_logits(engine, prompts: list[list[int]], steps: int, forced=None) -> list[torch.Tensor]:
+    """Logits [B, vocab] of each prompt's last position, then of `steps` decode steps of the whole batch. The token
+    fed back after step i is forced[i][b] where given (so two routes see the same inputs), else the greedy one."""
+    seqs = [Sequence(list(p), SamplingParams()) for p in prompts]
+    last = []
+    for seq in seqs:
+        engine.blocks.grow(seq, len(seq.token_ids) + steps)
+        last.append(engine.runner.run([ScheduledSeq(seq, len(seq.token_ids), 1)])[0][-1])
+        seq.num_computed = len(seq.token_ids)
+    out = [torch.stack(last)]
+    for step in range(steps):
+        for i, seq in enumerate(seqs):
+            seq.token_ids.append(forced[step][i] if forced else int(out[-1][i].argmax()))
+            seq.num_computed = len(seq.token_ids) - 1
+        out.append(engine.runner.run([ScheduledSeq(seq, 1, 1) for seq in seqs])[0])
+    for seq in seqs:
+        engine.blocks.free_sequence(seq)
+    return out
 
 
 def relative_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from flashnext.core.llm import resolve_profile
 from flashnext.core.loader import load_model
 from flashnext.plugins.cpu import CpuBackend, int4_route_fact
 from flashnext.plugins.cpu.ort_graph import RowCache
+from numerics import step_logits
 
 pytest.importorskip("onnxruntime")
 
@@ -20,26 +21,6 @@ def engine_for(loaded, route: str, precision: str = "int4", **overrides) -> LLME
     settings = dict(int4_route=route, kv_cache_max_gib=0.02, prefix_caching=False) | overrides
     profile = backend.profiles()["full"].overridden(**settings)
     return LLMEngine(backend, loaded, precision, profile)
-
-
-def step_logits(engine: LLMEngine, prompts: list[list[int]], steps: int, forced=None) -> list[torch.Tensor]:
-    """Logits [B, vocab] of each prompt's last position, then of `steps` decode steps of the whole batch. The token
-    fed back after step i is forced[i][b] where given (so two routes see the same inputs), else the greedy one."""
-    seqs = [Sequence(list(p), SamplingParams()) for p in prompts]
-    last = []
-    for seq in seqs:
-        engine.blocks.grow(seq, len(seq.token_ids) + steps)
-        last.append(engine.runner.run([ScheduledSeq(seq, len(seq.token_ids), 1)])[0][-1])
-        seq.num_computed = len(seq.token_ids)
-    out = [torch.stack(last)]
-    for step in range(steps):
-        for i, seq in enumerate(seqs):
-            seq.token_ids.append(forced[step][i] if forced else int(out[-1][i].argmax()))
-            seq.num_computed = len(seq.token_ids) - 1
-        out.append(engine.runner.run([ScheduledSeq(seq, 1, 1) for seq in seqs])[0])
-    for seq in seqs:
-        engine.blocks.free_sequence(seq)
-    return out
 
 
 def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
