@@ -38,21 +38,12 @@ class SimulatorSession:
 
 
 def convert(onnx_path: Path, rknn_path: Path):
-    from rknn.api import RKNN
+    from flashnext.plugins.rknpu.toolkit_worker import build
 
-    rknn = RKNN(verbose=False)
-    steps = [
-        ("config", lambda: rknn.config(target_platform="rk3588")),
-        ("load_onnx", lambda: rknn.load_onnx(model=str(onnx_path))),
-        ("build", lambda: rknn.build(do_quantization=False)),
-        ("export_rknn", lambda: rknn.export_rknn(str(rknn_path))),
-        ("init_runtime", lambda: rknn.init_runtime()),
-    ]
-    for name, call in steps:
-        code = call()
-        if code not in (0, None):
-            sys.exit(f"{onnx_path.name}: {name} returned {code}")
-    return rknn
+    try:
+        return build(str(onnx_path), "rk3588", export_to=str(rknn_path))
+    except RuntimeError as err:
+        sys.exit(f"{onnx_path.name}: {err}")
 
 
 def nmse(got, want) -> float:

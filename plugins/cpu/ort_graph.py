@@ -197,8 +197,8 @@ class OrtModel:
         logits = torch.empty(sum(p.logits for p in pieces), self.vocab)
         self.rows.release({p.owner for p in pieces})
         group = [p for p in pieces if p.tokens == 1]
-        rows = self.rows.place_group([p.owner for p in group]) if group else []
         if group:
+            rows = self.rows.place_group([p.owner for p in group])
             order = sorted(range(len(group)), key=rows.__getitem__)  # batch row i is cache row i
             self._call([group[i] for i in order], 0, "group", hidden, meta, paged, block_size, logits)
         for piece in pieces:

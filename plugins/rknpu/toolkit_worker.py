@@ -49,9 +49,10 @@ def receive(stream) -> tuple[dict, list]:
     return header, arrays
 
 
-def build(onnx_path: str, target: str):
-    """One graph built (fp16, do_quantization=False) and started in the simulator (init_runtime with no target).
-    The toolkit reports failures by return code: each is checked and named."""
+def build(onnx_path: str, target: str, export_to: str | None = None):
+    """One graph built (fp16, do_quantization=False), written as `export_to` (a .rknn file) where given, and started
+    in the simulator (init_runtime with no target). The toolkit reports failures by return code: each is checked
+    and named."""
     from rknn.api import RKNN
 
     rknn = RKNN(verbose=False)
@@ -59,6 +60,7 @@ def build(onnx_path: str, target: str):
         ("config", lambda: rknn.config(target_platform=target)),
         ("load_onnx", lambda: rknn.load_onnx(model=onnx_path)),
         ("build", lambda: rknn.build(do_quantization=False)),
+        ("export_rknn", lambda: rknn.export_rknn(export_to) if export_to else 0),
         ("init_runtime", lambda: rknn.init_runtime()),
     ]
     for name, call in steps:
