@@ -1,5 +1,5 @@
-"""CPU int4 decode by route: the fp16 expansion (torch) against one onnxruntime MatMulNBits graph a step (float32 or
-int8 activations; the int8 one also with a spinning thread pool).
+"""CPU int4 decode by route: the fp16 expansion (torch) against one onnxruntime MatMulNBits graph a step (float32
+activations, int8 into the MLP projections, or int8 throughout; that one also with a spinning thread pool).
 
 The embedded SmolLM2 (int4) in engines that differ only in `int4_route` (and, for onnxruntime, whether its thread
 pool spins), at each thread count; each round runs every engine once (the order rotates) on the same requests:
@@ -39,7 +39,7 @@ from flashnext.core.loader import default_model_path, load_model  # noqa: E402
 from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
-ROUTES = ("torch", "onnxruntime", "onnxruntime-int8", "onnxruntime-int8-spin")
+ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-int8-spin")
 
 
 def parse_args(argv=None):

@@ -11,6 +11,7 @@ is measured per engine in a child process that loads the model and runs the long
 
     python benchmarks/bench_cpu_vs_hf.py                       # 32- and 1000-token prompts, 128 new tokens
     python benchmarks/bench_cpu_vs_hf.py --engines flashnext,llama.cpp --threads 2 --json out.json
+    python benchmarks/bench_cpu_vs_hf.py --engines flashnext,llama.cpp --precisions int4,int4:onnxruntime-mlp-int8
 """
 
 import argparse
@@ -53,7 +54,11 @@ def parse_args(argv=None):
         help="a Llama-family model (default: the embedded SmolLM2-135M Q4_1 GGUF); llama.cpp needs a .gguf file",
     )
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
-    p.add_argument("--precisions", default="int4", help="flashnext precisions to run, comma-separated")
+    p.add_argument(
+        "--precisions",
+        default="int4",
+        help="flashnext precisions to run, comma-separated; int4:ROUTE picks the CPU profile's int4_route",
+    )
     p.add_argument("--prompt-lens", default="32,1000", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
@@ -110,9 +115,13 @@ def llamacpp_build() -> dict | None:
 # engines: each is a callable (ids, gen_len) -> (start time, time of each new token, new token ids)
 
 
-def flashnext_runner(loaded, precision: str, max_len: int):
+def flashnext_runner(loaded, spec: str, max_len: int):
+    precision, _, route = spec.partition(":")
     # Every repetition sends the same prompt: with the prefix cache on, it would skip the prefill it measures.
-    llm = LLM(loaded, backend="cpu", precision=precision, max_num_seqs=1, max_model_len=max_len, prefix_caching=False)
+    settings = dict(max_num_seqs=1, max_model_len=max_len, prefix_caching=False)
+    if route:
+        settings["int4_route"] = route
+    llm = LLM(loaded, backend="cpu", precision=precision, **settings)
     engine = llm.engine
 
     def run(ids, gen_len):

@@ -31,9 +31,10 @@ def nmse(out, ref) -> float:
     return ((out - ref) ** 2).mean().item() / (ref**2).mean().item()
 
 
-# Decode logits against the torch route's: float32 activations at the reference's rounding; int8 ones (blocks of the
-# group size) at what that rounding adds on these random models, past the suite's 1e-3 int4 engine bound.
-BOUNDS = {"onnxruntime": 1e-3, "onnxruntime-int8": 4e-3}
+# Decode logits against the torch route's: float32 activations at the reference's rounding (the 8-bit LM head's
+# aside); int8 ones (blocks of the group size) at what that rounding adds, within the suite's 1e-3 int4 engine bound
+# on these random models (observed: up to 7.7e-5, 3.2e-4 and 5.6e-4).
+BOUNDS = {"onnxruntime": 2.5e-4, "onnxruntime-mlp-int8": 1e-3, "onnxruntime-int8": 1e-3}
 
 
 def compare_routes(loaded, prompts, route="onnxruntime", steps=4, bound=None):
@@ -67,6 +68,27 @@ def test_asymmetric_q4_1_codes_decode_near_the_torch_route(q4_1_llama, route):
 @pytest.mark.parametrize("route", BOUNDS)
 def test_symmetric_int4_with_qk_norm_decodes_near_the_torch_route(tiny_qwen3, route):
     compare_routes(load_model(str(tiny_qwen3)), [list(range(3, 20))], route)
+
+
+@pytest.mark.parametrize(
+    ("activations", "rounded"),
+    [("fp32", set()), ("mlp-int8", {"gate_up", "down"}), ("int8", {"qkv", "o", "gate_up", "down"})],
+)
+def test_each_choice_rounds_the_activations_of_its_projections_only(q4_1_llama, activations, rounded):
+    from flashnext.plugins.cpu.ort_graph import ROUNDED, GraphBuilder
+
+    model = engine_for(q4_1_llama, "torch").model
+    cfg, layer = model.config, model.layers[0]
+    kinds = {w.shape[::-1]: kind for kind, w in vars(layer).items() if kind in ("qkv", "o", "gate_up", "down")}
+    assert len(kinds) == 4  # (K, N) tells the projections apart
+    levels = {}
+    for node in GraphBuilder(model, ROUNDED[activations]).build().graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
+        if node.op_type == "MatMulNBits" and attrs["bits"] == 4:
+            levels.setdefault(kinds[(attrs["K"], attrs["N"])], set()).add(attrs["accuracy_level"])
+    assert len(levels) == 4 and cfg.num_layers > 1
+    assert {kind for kind, level in levels.items() if level == {4}} == rounded
+    assert {kind for kind, level in levels.items() if level == {1}} == set(kinds.values()) - rounded
 
 
 def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama):
@@ -208,7 +230,8 @@ def test_default_model_generates_the_torch_routes_greedy_tokens():
     """float32 activations keep the torch route's tokens; int8 ones (llama.cpp's rounding) are only checked near."""
     loaded = load_model(None)
     prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a")]
-    compare_routes(loaded, prompts[:1], "onnxruntime", steps=4)
+    compare_routes(loaded, prompts[:1], "onnxruntime", steps=4, bound=1e-3)  # the 8-bit head: 3.3e-4 observed
+    compare_routes(loaded, prompts[:1], "onnxruntime-mlp-int8", steps=4, bound=0.02)
     compare_routes(loaded, prompts[:1], "onnxruntime-int8", steps=4, bound=0.05)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [o.output_ids for o in engine_for(loaded, "torch").generate(prompts, params)]
@@ -216,7 +239,9 @@ def test_default_model_generates_the_torch_routes_greedy_tokens():
 
 
 def test_auto_picks_onnxruntime_for_int4_and_torch_for_other_precisions(q4_1_llama):
-    assert engine_for(q4_1_llama, "auto").runner.route == "onnxruntime"
+    runner = engine_for(q4_1_llama, "auto").runner
+    assert runner.route == "onnxruntime" and "float32 activations" in runner.route_reason
+    assert "int8 activations into the MLP" in engine_for(q4_1_llama, "onnxruntime-mlp-int8").runner.route_reason
     assert "onnxruntime" in int4_route_fact()
     fp32 = engine_for(q4_1_llama, "auto", precision="fp32").runner
     assert fp32.route == "torch" and "not int4" in fp32.route_reason

@@ -17,11 +17,14 @@ from .kernels import EXPANDED_DTYPE, CpuKernels
 class CpuProfile(Profile):
     """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: `onnxruntime` (one graph computing
     from the 4-bit codes, float32 activations: the reference's numbers but for the 8-bit LM head's rounding),
-    `onnxruntime-int8` (the same graph with activations rounded to int8 in blocks as llama.cpp does: faster, but past
-    the conformance suite's int4 logits bound), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime
-    where it is installed and the model fits the graph); env FLASHNEXT_INT4_ROUTE."""
+    `onnxruntime-mlp-int8` (the same graph with the activations into the MLP projections rounded to int8 in blocks
+    as llama.cpp's Q4 x Q8 dot does: faster, logits error below llama.cpp's), `onnxruntime-int8` (int8 into every
+    projection: the fastest, the largest error), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime
+    where it is installed and the model fits the graph: rounding moves near-tied tokens, and on the default model
+    it changes the README's first answer); env FLASHNEXT_INT4_ROUTE. docs/benchmarks.md has each route's speed
+    and logits error."""
 
-    int4_route: Literal["auto", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
+    int4_route: Literal["auto", "onnxruntime-mlp-int8", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
 
 class CpuBackend(Backend):
@@ -81,7 +84,10 @@ def int4_route_fact() -> str:
     """What `auto` runs int4 steps through on this machine (for --explain)."""
     if importlib.util.find_spec("onnxruntime") is None:
         return "torch (weights expanded to fp16): onnxruntime is not installed"
-    return "onnxruntime MatMulNBits, one graph, float32 activations (int4_route: onnxruntime-int8, torch)"
+    return (
+        "onnxruntime MatMulNBits, one graph, float32 activations"
+        " (int4_route: onnxruntime-mlp-int8, onnxruntime-int8, torch)"
+    )
 
 
 @hookimpl

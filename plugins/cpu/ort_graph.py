@@ -2,11 +2,12 @@
 codes, for decode steps and prompt chunks alike.
 
 Every projection is a `MatMulNBits` over the Int4Weight's own codes and scales (activations float32, or rounded to
-int8 in blocks as llama.cpp's Q4 x Q8 dot does: ACCURACY_LEVEL); attention is `GroupQueryAttention` (rope, causal
-masking, the call's keys written into the cache in place, grouped heads) over each sequence's own contiguous KV row
-(`RowCache`); the LM head is an 8-bit `MatMulNBits` (blocks of 32, as GGUF's Q8_0 stores it) over the rows whose
-logits are wanted. A step is one session call for all its one-token rows, plus one per longer piece (a prompt chunk,
-a verify step): GroupQueryAttention takes several tokens a row only for one row at a time.
+int8 in blocks as llama.cpp's Q4 x Q8 dot does, for the projections ROUNDED names); attention is
+`GroupQueryAttention` (rope, causal masking, the call's keys written into the cache in place, grouped heads) over
+each sequence's own contiguous KV row (`RowCache`); the LM head is an 8-bit `MatMulNBits` (blocks of 32, as GGUF's
+Q8_0 stores it) over the rows whose logits are wanted. A step is one session call for all its one-token rows, plus
+one per longer piece (a prompt chunk, a verify step): GroupQueryAttention takes several tokens a row only for one
+row at a time.
 
 An Int4Weight value is q * scale + offset (q = 0..15); MatMulNBits computes (q - zero_point) * scale with integer
 zero points. The codes run with zero point 8, exactly symmetric weights (offset = -8 * scale); what an offset adds
@@ -25,7 +26,11 @@ from flashnext.core.precision import Int4Weight
 
 # MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
-ACCURACY_LEVEL = {"int8": 4, "fp32": 1}
+INT8_ACTIVATIONS, FP32_ACTIVATIONS = 4, 1
+# The projections each `activations` choice runs on int8 activations. The MLP's two hold three quarters of a layer's
+# weights; the attention projections' inputs carry the outlier channels whose blocks int8 rounds coarsely (on
+# SmolLM2 they add more logits error than the MLP's, docs/benchmarks.md).
+ROUNDED = {"fp32": (), "mlp-int8": ("gate_up", "down"), "int8": ("qkv", "o", "gate_up", "down")}
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 # The LM head as 8-bit codes in blocks of 32 with a scale each (GGUF's Q8_0: a checkpoint that stores its head so
 # is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
@@ -176,7 +181,7 @@ class OrtModel:
         options.log_severity_level = 3
         # The arena reuses a prompt chunk's activation buffers; without it glibc keeps what they freed resident.
         options.enable_cpu_mem_arena = True
-        builder = GraphBuilder(model, ACCURACY_LEVEL[activations])
+        builder = GraphBuilder(model, ROUNDED[activations])
         graph = builder.build().SerializeToString()
         # Kept for the session's life: it reads these arrays, most of them views of the model's own tensors.
         self.weights = builder.external
@@ -276,11 +281,11 @@ _NP = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}
 
 class GraphBuilder:
     """Writes the graph node by node (onnx.helper), weights as initializers. Activations are [tokens, width]
-    ([B, S, width] around GroupQueryAttention), so onnxruntime fuses each offset term's product and sum into a Gemm."""
+    ([B, S, width] around GroupQueryAttention), as Gemm wants them for the offset terms."""
 
-    def __init__(self, model: DecoderModel, accuracy_level: int):
+    def __init__(self, model: DecoderModel, rounded: tuple[str, ...] = ()):
         self.model, self.cfg = model, model.config
-        self.accuracy_level = accuracy_level
+        self.rounded = rounded
         self.nodes, self.inits, self._n, self._group_ones = [], [], 0, {}
         self.external: dict[str, np.ndarray] = {}
 
@@ -327,12 +332,13 @@ class GraphBuilder:
         )
         return normed, total
 
-    def linear(self, x: str, w: Int4Weight, bias: torch.Tensor | None = None) -> str:
+    def linear(self, x: str, w: Int4Weight, kind: str, bias: torch.Tensor | None = None) -> str:
         n, k = w.shape
         g = w.group_size
         codes = self.const(w.packed.reshape(n, k // g, g // 2).numpy(), "codes")
         scales = self.const(w.scales.float().reshape(-1).numpy(), "scales")
-        attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=self.accuracy_level)
+        level = INT8_ACTIVATIONS if kind in self.rounded else FP32_ACTIVATIONS
+        attrs = dict(K=k, N=n, bits=4, block_size=g, accuracy_level=level)
         y = self.one("MatMulNBits", [x, codes, scales], domain=MS_DOMAIN, **attrs)  # zero point 8: (q - 8) * scale
         # What the group's offset adds beyond -8 * scale (nothing for symmetric weights), as a dense term over each
         # group's column sum. Centred codes matter with int8 activations: their rounding errors then cancel within
@@ -340,7 +346,7 @@ class GraphBuilder:
         residual = w.offsets.float() + 8.0 * w.scales.float()
         if bool(residual.any()):
             sums = self.one("MatMul", [x, self.group_ones(k, g)])  # [B, K] @ [K, groups] of ones
-            y = self.one("Add", [y, self.one("MatMul", [sums, self.const(residual.T.numpy(), "offsets")])])
+            y = self.one("Gemm", [sums, self.const(residual.T.numpy(), "offsets"), y])  # y + sums @ offsets
         if bias is not None:
             y = self.one("Add", [y, self.const(bias.float().numpy(), "bias")])
         return y
@@ -370,7 +376,7 @@ class GraphBuilder:
             x = self.rmsnorm(residual, w.input_norm)
         else:
             x, residual = self.add_rmsnorm(hidden, residual, w.input_norm)
-        qkv = self.linear(x, w.qkv, w.qkv_bias)
+        qkv = self.linear(x, w.qkv, "qkv", w.qkv_bias)
         if cfg.qk_norm:  # per-head norms before the rope, which then runs here too
             qkv = self.one("Reshape", [qkv, self.ints(0, heads + 2 * kv, d)])
             q, key, value = self.op("Split", [qkv, self.ints(heads, kv, kv)], outputs=3, axis=1)
@@ -392,11 +398,11 @@ class GraphBuilder:
             scale=d**-0.5,
         )
         self.nodes[-1].output[1:] = [f"present_k_{i}", f"present_v_{i}"]
-        attn = self.linear(self.one("Reshape", [attn, self.ints(-1, heads * d)]), w.o)
+        attn = self.linear(self.one("Reshape", [attn, self.ints(-1, heads * d)]), w.o, "o")
         x, residual = self.add_rmsnorm(attn, residual, w.post_norm)
-        gate, up = self.op("Split", [self.linear(x, w.gate_up)], outputs=2, axis=-1, num_outputs=2)
+        gate, up = self.op("Split", [self.linear(x, w.gate_up, "gate_up")], outputs=2, axis=-1, num_outputs=2)
         act = self.one("Mul", [self.one("Mul", [gate, self.one("Sigmoid", [gate])]), up])
-        return residual, self.linear(act, w.down)
+        return residual, self.linear(act, w.down, "down")
 
     def build(self):
         cfg = self.cfg

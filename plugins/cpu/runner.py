@@ -48,7 +48,7 @@ class CpuRunner(ModelRunner):
     def _graph(self) -> ort_graph.OrtModel:
         if self.graph is None:
             start = time.perf_counter()
-            activations = "int8" if self.route == "onnxruntime-int8" else "fp32"
+            activations = ROUTE_ACTIVATIONS[self.route]
             self.graph = ort_graph.OrtModel(self.model, torch.get_num_threads(), activations, self.spinning)
             self.warm_up_s += time.perf_counter() - start
         return self.graph
@@ -74,9 +74,18 @@ def pieces(batch) -> list[ort_graph.Piece]:
     return out
 
 
+# What each onnxruntime route rounds to int8 (ort_graph.ROUNDED), and how `run --explain` says it.
+ROUTE_ACTIVATIONS = {"onnxruntime": "fp32", "onnxruntime-mlp-int8": "mlp-int8", "onnxruntime-int8": "int8"}
+ACTIVATIONS_SAID = {
+    "fp32": "float32 activations",
+    "mlp-int8": "int8 activations into the MLP projections, float32 into attention's",
+    "int8": "int8 activations",
+}
+
+
 def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
     """(route, why): an onnxruntime route where the graph can run this model's steps and the choice allows it;
-    `auto` is `onnxruntime` (float32 activations)."""
+    `auto` is `onnxruntime` (float32 activations: the rounded routes change the README's first answer)."""
     if choice == "torch":
         return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
     reason = ort_graph.unsupported(model, kv_dtype)
@@ -86,8 +95,8 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
         reason = "batch_invariant asks for fixed per-row arithmetic"
     if reason is None:
         route = "onnxruntime" if choice == "auto" else choice
-        acts = "int8" if route == "onnxruntime-int8" else "float32"
-        return route, f"int4 steps through one onnxruntime MatMulNBits graph, {acts} activations"
+        acts = ACTIVATIONS_SAID[ROUTE_ACTIVATIONS[route]]
+        return route, f"int4 steps through one onnxruntime MatMulNBits graph, {acts}"
     if choice != "auto":
         raise UserError(f"int4_route = {choice} cannot run this model: {reason}; set int4_route to auto or torch")
     return "torch", f"int4 steps through torch: {reason}"
