@@ -225,6 +225,21 @@ def test_the_graph_runs_on_the_engines_thread_count_and_pool_setting(q4_1_llama)
         torch.set_num_threads(before)
 
 
+def test_a_graph_step_leaves_torch_one_thread_and_gives_the_count_back(q4_1_llama):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = engine_for(q4_1_llama, "onnxruntime")
+        graph = engine.runner._graph()
+        seen, step = [], graph.step
+        graph.step = lambda *args: seen.append(torch.get_num_threads()) or step(*args)
+        step_logits(engine, [[5, 6, 7]], 1)
+        assert seen == [1, 1] and torch.get_num_threads() == 2  # the prompt's step, then one decode step
+        assert graph.session.get_session_options().intra_op_num_threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_default_model_generates_the_torch_routes_greedy_tokens():
     """float32 activations keep the torch route's tokens; int8 ones (llama.cpp's rounding) are only checked near."""
