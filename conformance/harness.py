@@ -106,10 +106,19 @@ class ReferenceBackend(Backend):
 
 
 def make_engine(backend: Backend, loaded: LoadedModel, precision: str, **overrides) -> LLMEngine:
-    """The backend's default profile with a small KV cache, and `overrides` applied (validated by Profile)."""
-    base = backend.profiles()[backend.default_profile]
+    """The profile this device runs (profile_under_test) with a small KV cache, and `overrides` applied (validated
+    by Profile)."""
+    base = profile_under_test(backend)
     settings = {"kv_cache_max_gib": 0.02, "max_model_len": 256, "max_num_batched_tokens": 512} | overrides
     return LLMEngine(backend, loaded, precision, base.overridden(**settings))
+
+
+def profile_under_test(backend: Backend):
+    """The backend's default profile with this environment's FLASHNEXT_<FIELD> settings, as `flashnext run` and
+    `serve` would run it: the suite checks the configuration a deployment uses (e.g. FLASHNEXT_INT4_ROUTE)."""
+    from flashnext.core.llm import resolve_profile
+
+    return resolve_profile(backend, None, {})
 
 
 def plain_profile() -> dict:

@@ -233,9 +233,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def _profile_under_test(config):
-    """The profile the engine-level cases ran: the backend's default (harness.make_engine)."""
-    backend = backend_under_test(config)
-    return backend.profiles()[backend.default_profile]
+    """The profile the engine-level cases ran (harness.make_engine)."""
+    from .harness import profile_under_test
+
+    return profile_under_test(backend_under_test(config))
 
 
 def _print_table(results: list[CaseResult], profile) -> None:

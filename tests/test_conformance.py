@@ -105,3 +105,19 @@ def test_cpu_backend_passes_the_whole_suite(tmp_path):
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite.get("failures") == "0" and int(suite.get("tests")) > 100
     assert "flashnext conformance" in proc.stdout and "0 failed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_suite_runs_the_profile_the_environment_sets(tmp_path):
+    """FLASHNEXT_<FIELD> settings reach the engine cases, as they reach `run`: the int4 logits move with the route."""
+    values = {}
+    for route in ("onnxruntime", "onnxruntime-int8"):
+        folder = tmp_path / route
+        folder.mkdir()
+        env = env_with([], FLASHNEXT_INT4_ROUTE=route)
+        code, report, _, proc = conformance("cpu", folder, env, select="engine_precision and int4")
+        assert code == 0, proc.stdout[-2000:]
+        assert report["executed_on"] == f"profile 'full', int4_route {route}"
+        case = next(c for c in report["cases"] if c["name"] == "engine_precision[int4]::vs reference")
+        values[route] = case["value"]
+    assert values["onnxruntime-int8"] > 2 * values["onnxruntime"]  # int8 activations: observed 4.8e-4 vs 5.5e-5

@@ -272,9 +272,18 @@ def test_batch_invariance_keeps_decode_on_the_torch_route(q4_1_llama):
         engine_for(q4_1_llama, "onnxruntime", batch_invariant=True)
 
 
-def test_asking_for_onnxruntime_where_it_cannot_run_names_the_reason(q4_1_llama):
-    with pytest.raises(UserError, match="int4_route = onnxruntime cannot run this model: the projections are not"):
-        engine_for(q4_1_llama, "onnxruntime", precision="fp32")
+def test_asking_for_onnxruntime_where_it_cannot_run_names_the_reason(q4_1_llama, monkeypatch):
+    from flashnext.plugins.cpu import ort_graph
+
+    monkeypatch.setattr(ort_graph, "BLOCK_SIZES", (64, 128))  # the model's groups of 32 then do not fit the graph
+    with pytest.raises(UserError, match="int4_route = onnxruntime cannot run this model: int4 group size 32 is not"):
+        engine_for(q4_1_llama, "onnxruntime")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_route_asked_for_leaves_steps_of_other_precisions_to_torch(q4_1_llama, precision):
+    runner = engine_for(q4_1_llama, "onnxruntime-mlp-int8", precision=precision).runner
+    assert runner.route == "torch" and "not int4" in runner.route_reason
 
 
 def test_the_route_is_an_env_setting(monkeypatch):

@@ -26,6 +26,9 @@ class CpuProfile(Profile):
 
     int4_route: Literal["auto", "onnxruntime-mlp-int8", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
+    def executed_on(self) -> str:
+        return f"profile '{self.name}', int4_route {self.int4_route}"
+
 
 class CpuBackend(Backend):
     name = "cpu"
