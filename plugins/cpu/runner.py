@@ -7,7 +7,6 @@ import torch
 from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, StepResult
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
-from flashnext.core.precision import Int4Weight
 
 from . import ort_graph
 
@@ -98,8 +97,8 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
     `auto` is `onnxruntime` (float32 activations: the rounded routes change the README's first answer)."""
     if choice == "torch":
         return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
-    if not any(isinstance(w, Int4Weight) for layer in model.layers for w in (layer.qkv, layer.o)):
-        return "torch", "the projections are not int4 (int4_route concerns int4 steps only)"
+    if model.precision.name != "int4":
+        return "torch", f"the projections are {model.precision.name}, not int4 (int4_route concerns int4 steps only)"
     reason = ort_graph.unsupported(model, kv_dtype)
     if getattr(model, "parallel", None) is not None:  # the graph holds whole layers: no all-reduce between ranks
         reason = "tensor-parallel ranks hold shards of each layer"
