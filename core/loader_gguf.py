@@ -129,7 +129,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
     loaded = _parse_gguf(path)
     if entry:
         with contextlib.suppress(OSError):  # a read-only home only costs speed
-            model_cache.save(entry, loaded.config, loaded.weights, loaded.tokenizer)
+            model_cache.save(entry, path, loaded.config, loaded.weights, loaded.tokenizer)
     return loaded
 
 

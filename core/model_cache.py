@@ -1,8 +1,8 @@
 """A converted copy of each GGUF file, so the second load skips metadata parsing and nibble shuffling.
 
 Parsing a GGUF's tokenizer arrays takes seconds in the `gguf` reader; the converted form (safetensors + JSON) loads in
-a fraction of that. Entries are keyed by the file's absolute path, size and mtime, so an edited file is reconverted.
-`FLASHNEXT_CACHE_DIR=off` disables the cache.
+a fraction of that. Entries are keyed by the file's absolute path, size and mtime, so an edited file is reconverted
+(and its older entry removed). `FLASHNEXT_CACHE_DIR=off` disables the cache.
 """
 
 import hashlib
@@ -43,10 +43,12 @@ def entry_for(path: Path) -> Path | None:
     return root / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) -> None:
-    """Write atomically (temp folder + rename) so an interrupted save never leaves a half entry."""
+def save(entry: Path, source: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) -> None:
+    """Write atomically (temp folder + rename) so an interrupted save never leaves a half entry; then remove the
+    entries of earlier versions of the same file (a re-downloaded GGUF would otherwise leave a full copy behind)."""
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "source").write_text(str(source.resolve()))
     tensors, groups = {}, {}
     for name, w in weights.items():
         if isinstance(w, Int4Weight):
@@ -68,9 +70,20 @@ def save(entry: Path, config: ModelConfig, weights: dict, tokenizer: Tokenizer) 
     try:
         tmp.rename(entry)
     except OSError:  # another process saved it first
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+    _remove_older_entries(entry, str(source.resolve()))
+
+
+def _remove_older_entries(entry: Path, source: str) -> None:
+    for other in entry.parent.iterdir():
+        if other == entry or ".tmp" in other.name:  # ours, or one another process is still writing
+            continue
+        try:
+            stale = (other / "source").read_text() == source
+        except OSError:  # an entry from before entries named their source: not ours to judge
+            continue
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def load(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelConfig, dict, Tokenizer] | None:
@@ -111,8 +124,8 @@ def _read(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelCo
         flat = {}
         for name in f.keys():  # noqa: SIM118 (a safetensors handle)
             base, _, part = name.partition("#int4.")
-            if plan is None:
-                flat[name] = f.get_tensor(name)
+            if plan is None:  # copied out of the memory map: pages of it left mapped stay resident
+                flat[name] = f.get_tensor(name).clone()
             elif plan.keeps(base):
                 flat[name] = _read_slice(f, name, plan.slice_of(base), int(groups.get(base, 1)), part)
         if plan is not None:  # the int4 weights of layers left unread (MTP modules)

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -8,6 +11,10 @@ from fixtures import write_tiny_hf_model
 # The rknpu backend defaults to rknn-toolkit2's simulator where a toolkit venv exists (.venv-rknn); tests that want
 # it point FLASHNEXT_RKNN_TOOLKIT_PYTHON at a stand-in, the rest run onnxruntime wherever they run.
 os.environ["FLASHNEXT_RKNN_TOOLKIT_PYTHON"] = ""
+# Converted GGUFs go to a cache of the run's own (child processes inherit it): every run writes fresh fixture files,
+# whose entries would pile up in the user's cache.
+os.environ["FLASHNEXT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashnext-test-cache-")
+atexit.register(shutil.rmtree, os.environ["FLASHNEXT_CACHE_DIR"], True)
 
 
 def pytest_configure(config):

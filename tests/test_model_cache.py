@@ -46,6 +46,34 @@ def test_second_load_comes_from_cache_and_matches(tmp_path, monkeypatch):
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
 
 
+def test_a_cached_load_leaves_no_memory_map_of_the_entry(tmp_path, monkeypatch):
+    """Tensors read from the entry are copies: pages of a map left open stay resident beside the merged weights
+    built from them (50 MiB on the default model)."""
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, arch="llama", qtype="Q4_1")
+    load_model(str(path))
+    cached = load_model(str(path))
+    stored = str(model_cache.entry_for(path) / "weights.safetensors")
+    with open("/proc/self/maps") as maps:
+        assert stored not in maps.read()
+    assert cached.weights["model.embed_tokens.weight"].packed.sum() > 0  # the copies hold the values
+
+
+def test_a_replaced_file_leaves_one_entry_and_other_files_keep_theirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
+    path, other = tmp_path / "tiny.gguf", tmp_path / "other.gguf"
+    write_tiny_gguf(other, arch="llama", qtype="Q4_0")
+    load_model(str(other))
+    for version in range(3):  # re-downloaded twice: a new size / mtime each time
+        write_tiny_gguf(path, arch="llama", qtype="Q4_1", seed=version)
+        os.utime(path, ns=(version * 10**9, version * 10**9))
+        load_model(str(path))
+    entries = sorted((tmp_path / "cache" / "gguf").iterdir())
+    assert sorted([model_cache.entry_for(path), model_cache.entry_for(other)]) == entries
+    assert (model_cache.entry_for(path) / "source").read_text() == str(path.resolve())
+
+
 def test_changed_file_gets_a_new_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
