@@ -1,8 +1,9 @@
 """CPU int4 decode by route: the fp16 expansion (torch) against one onnxruntime MatMulNBits graph a step (float32
-activations, int8 into the MLP projections, or int8 throughout; that one also with a spinning thread pool).
+activations, int8 into the MLP projections, or int8 throughout), the graph's pool as shipped or with a suffix:
+`-sleep` (idle pool threads sleep at once) or `-spin` (onnxruntime's unbounded spinning).
 
-The embedded SmolLM2 (int4) in engines that differ only in `int4_route` (and, for onnxruntime, whether its thread
-pool spins), at each thread count; each round runs every engine once (the order rotates) on the same requests:
+The embedded SmolLM2 (int4) in engines that differ only in `int4_route` (and, for onnxruntime, how its pool
+waits), at each thread count; each round runs every engine once (the order rotates) on the same requests:
 `--batch` requests of a `--prompt-len`-token prompt, greedy, `--gen-len` new tokens, decode tok/s = (new tokens - 1)
 a request x batch / time from the first step that returned tokens to the last. Medians over rounds, the load
 average before and after; compare routes within one run only. `--busy` keeps one core busy with another process
@@ -39,7 +40,8 @@ from flashnext.core.loader import default_model_path, load_model  # noqa: E402
 from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
-ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-int8-spin")
+ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-sleep", "onnxruntime-spin")
+POOL_SPIN_US = {"-sleep": 0, "-spin": None}  # a route's suffix: CpuRunner.pool_spin_us
 
 
 def parse_args(argv=None):
@@ -62,12 +64,14 @@ def engine_for(loaded, route: str, threads: int, max_len: int, batch: int, preci
         backend="cpu",
         precision=precision,
         threads=threads,
-        int4_route=route.removesuffix("-spin"),
+        int4_route=route.removesuffix("-sleep").removesuffix("-spin"),
         max_model_len=max_len,
         max_num_seqs=batch,
         prefix_caching=False,
     )
-    llm.engine.runner.spinning = route.endswith("-spin")
+    for suffix, spin_us in POOL_SPIN_US.items():
+        if route.endswith(suffix):
+            llm.engine.runner.pool_spin_us = spin_us
     return llm.engine
 
 

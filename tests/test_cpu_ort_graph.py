@@ -220,7 +220,8 @@ def test_the_graph_runs_on_the_engines_thread_count_and_pool_setting(q4_1_llama)
         step_logits(engine, [[5, 6, 7]], 1)
         options = engine.runner.graph.session.get_session_options()
         assert options.intra_op_num_threads == 1
-        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+        assert options.get_session_config_entry("session.intra_op.spin_duration_us") == "20"  # bounded
     finally:
         torch.set_num_threads(before)
 
@@ -301,3 +302,42 @@ def test_a_head_the_graph_cannot_read_keeps_the_torch_route(q4_1_llama):
     assert unsupported(model, torch.float32) is None
     model.lm_head = model.layers[0].qkv  # an Int4Weight (not the embedding's shape), as an int4 head would be
     assert "LM head is stored as Int4Weight" in unsupported(model, torch.float32)
+
+
+def test_the_fp16_head_copy_is_made_only_for_the_torch_route(q4_1_llama):
+    """The graph reads its own 8-bit codes of the head, so the model keeps the head in float32 (a tied one is the
+    embedding itself); torch's int4 steps read an fp16 copy (half the bytes a step)."""
+    graph_model = engine_for(q4_1_llama, "onnxruntime").model
+    assert graph_model.lm_head.dtype == torch.float32
+    torch_model = engine_for(q4_1_llama, "torch").model
+    assert torch_model.lm_head.dtype == torch.float16
+    assert torch.equal(torch_model.lm_head, graph_model.lm_head.half())
+
+
+def test_the_head_codes_built_in_row_chunks_equal_the_whole_tables(q4_1_llama, monkeypatch):
+    from flashnext.plugins.cpu import ort_graph
+
+    model = engine_for(q4_1_llama, "onnxruntime").model
+    head = ort_graph.head_weight(model)
+    whole = ort_graph._head_codes(head.reshape(head.shape[0], -1, ort_graph.HEAD_BLOCK))
+    monkeypatch.setattr(ort_graph, "HEAD_ROWS_AT_ONCE", 7)  # the tiny vocabulary in many chunks, the last short
+    monkeypatch.setattr(ort_graph, "EXTERNAL_BYTES", 0)  # every constant handed over as an array, to read back
+    builder = ort_graph.GraphBuilder(model)
+    builder.build()
+    codes = next(a for name, a in builder.external.items() if name.startswith("head_codes"))
+    scales = next(a for name, a in builder.external.items() if name.startswith("head_scales"))
+    assert head.shape[0] % 7 and torch.equal(torch.from_numpy(codes), whole[0])
+    assert torch.equal(torch.from_numpy(scales), whole[1])
+
+
+@pytest.mark.parametrize("spin_us, allowed, duration", [(0, "0", "0"), (20, "1", "20"), (None, "1", None)])
+def test_the_pools_spin_setting_reaches_the_session(q4_1_llama, spin_us, allowed, duration):
+    from flashnext.plugins.cpu.ort_graph import OrtModel
+
+    options = OrtModel(engine_for(q4_1_llama, "onnxruntime").model, 2, spin_us=spin_us).session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == allowed
+    if duration is None:  # onnxruntime's own spinning, unbounded
+        with pytest.raises(RuntimeError, match="does not have configuration"):
+            options.get_session_config_entry("session.intra_op.spin_duration_us")
+    else:
+        assert options.get_session_config_entry("session.intra_op.spin_duration_us") == duration

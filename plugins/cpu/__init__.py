@@ -75,8 +75,12 @@ class CpuBackend(Backend):
         return precision.activation_dtype if precision.name in ("bf16", "fp16") else torch.float32
 
     def head_dtype(self, precision):
-        # With quantized projections the fp32 LM head would be half of all bytes read per token.
-        return EXPANDED_DTYPE if precision.bits < 16 else self.activation_dtype(precision)
+        # With quantized projections the fp32 LM head would be half of all bytes read per token. An int4 model's
+        # tied head stays the embedding itself: the onnxruntime graph reads its own 8-bit codes of it, and the
+        # runner makes the fp16 copy only where int4 steps run through torch (54 MiB on the default model).
+        if precision.name == "int4" or precision.bits >= 16:
+            return self.activation_dtype(precision)
+        return EXPANDED_DTYPE
 
     def preferred_precision(self, weights: dict) -> str:
         # A checkpoint stored in 4 bits (GGUF Q4) runs as int4: same numerics as expanding it to fp32, half the bytes.

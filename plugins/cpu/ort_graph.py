@@ -38,6 +38,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 # (picked in the graph) are computed again from the head's own weights in float32, which keeps the argmax exact
 # unless that many tokens lie within twice the rounding of the top.
 HEAD_BLOCK, HEAD_ACCURACY, REFINE_TOP = 32, 4, 16
+HEAD_ROWS_AT_ONCE = 4096
 MS_DOMAIN = "com.microsoft"
 # Constants this large reach onnxruntime as arrays it reads in place (the Int4Weights' own codes and scales, no copy
 # in the graph's bytes or the session), not serialized into the graph.
@@ -169,7 +170,9 @@ class Piece:
 class OrtModel:
     """One onnxruntime session running every layer and the LM head over a step's tokens."""
 
-    def __init__(self, model: DecoderModel, threads: int, activations: str = "fp32", spinning: bool = False):
+    def __init__(self, model: DecoderModel, threads: int, activations: str = "fp32", spin_us: int | None = 0):
+        """`spin_us`: how long the pool's idle threads spin for the next op before they sleep (0: they sleep at
+        once; None: onnxruntime's own, unbounded spinning)."""
         import onnxruntime as ort
 
         cfg = model.config
@@ -177,7 +180,9 @@ class OrtModel:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if spin_us == 0 else "1")
+        if spin_us is not None:
+            options.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
         options.log_severity_level = 3
         # The arena reuses a prompt chunk's activation buffers; without it glibc keeps what they freed resident.
         options.enable_cpu_mem_arena = True
@@ -270,6 +275,13 @@ class OrtModel:
         return binding
 
 
+def _head_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of [rows, blocks, HEAD_BLOCK] float weights: GraphBuilder.head's rounding."""
+    scales = blocks.abs().amax(-1) / 127
+    codes = torch.where(scales[..., None] > 0, blocks / scales.clamp_min(1e-30)[..., None], 0).round() + 128
+    return codes.to(torch.uint8), scales
+
+
 def head_weight(model: DecoderModel) -> torch.Tensor:
     """The LM head's weights as the model keeps them (the tied embedding keeps a GGUF's values in fp32)."""
     tied = model.config.tie_word_embeddings and model.lm_head.shape == model.embed.shape
@@ -360,13 +372,15 @@ class GraphBuilder:
     def head(self, x: str) -> str:
         """The LM head over x as 8-bit codes: per block of HEAD_BLOCK inputs, scale = largest |w| / 127, codes
         round(w / scale) + 128 (zero point 128). A Q8_0 head (its largest code 127 a block) comes back exactly."""
-        w = head_weight(self.model).float()
+        w = head_weight(self.model)
         n, k = w.shape
-        blocks = w.reshape(n, k // HEAD_BLOCK, HEAD_BLOCK)
-        scales = blocks.abs().amax(-1) / 127
-        codes = torch.where(scales[..., None] > 0, blocks / scales.clamp_min(1e-30)[..., None], 0).round() + 128
+        codes = torch.empty(n, k // HEAD_BLOCK, HEAD_BLOCK, dtype=torch.uint8)
+        scales = torch.empty(n, k // HEAD_BLOCK)
+        for rows in range(0, n, HEAD_ROWS_AT_ONCE):  # a whole table's float temporaries would be 3x its size
+            part = slice(rows, rows + HEAD_ROWS_AT_ONCE)
+            codes[part], scales[part] = _head_codes(w[part].float().reshape(-1, k // HEAD_BLOCK, HEAD_BLOCK))
         attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
-        inputs = [x, self.const(codes.to(torch.uint8).numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")]
+        inputs = [x, self.const(codes.numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")]
         return self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
 
     def layer(self, i: int, residual: str, hidden: str | None) -> tuple[str, str]:
