@@ -115,13 +115,14 @@ def llamacpp_build() -> dict | None:
 # engines: each is a callable (ids, gen_len) -> (start time, time of each new token, new token ids)
 
 
-def flashnext_runner(loaded, spec: str, max_len: int):
+def flashnext_runner(model, spec: str, max_len: int):
+    """`model`: a LoadedModel, or a path (None: the default model) LLM loads itself, as `flashnext run` does."""
     precision, _, route = spec.partition(":")
     # Every repetition sends the same prompt: with the prefix cache on, it would skip the prefill it measures.
     settings = dict(max_num_seqs=1, max_model_len=max_len, prefix_caching=False)
     if route:
         settings["int4_route"] = route
-    llm = LLM(loaded, backend="cpu", precision=precision, **settings)
+    llm = LLM(model, backend="cpu", precision=precision, **settings)
     engine = llm.engine
 
     def run(ids, gen_len):
@@ -133,6 +134,7 @@ def flashnext_runner(loaded, spec: str, max_len: int):
                 times.append(time.perf_counter())
         return start, times, seq.output_ids
 
+    run.tokenizer = llm.tokenizer
     return run
 
 
@@ -254,8 +256,8 @@ def rates(start: float, times: list[float], prompt_len: int) -> dict:
     }
 
 
-def prompt_ids(loaded, length: int) -> list[int]:
-    return loaded.tokenizer.encode(PROSE * (1 + length // 40))[:length]
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    return tokenizer.encode(PROSE * (1 + length // 40))[:length]
 
 
 def peak_rss_mib(key: tuple[str, str], args, gguf: Path | None) -> float:
@@ -295,10 +297,14 @@ def peak_rss_mib(key: tuple[str, str], args, gguf: Path | None) -> float:
 def rss_child(args, gguf: Path | None, prompt_len: int, max_len: int) -> None:
     """Runs one flashnext or transformers engine once and prints the process's peak RSS in MiB."""
     key = tuple(args.rss_child.split("/"))
+    if key[0] == "flashnext":  # loaded by LLM itself, as `flashnext run` loads it: no loader tensors kept beside
+        run = flashnext_runner(args.model, key[1], max_len)
+        run(prompt_ids(run.tokenizer, prompt_len), args.gen_len)
+        return print(peak_rss_of_this_process())
     loaded = load_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         runners(args, loaded, gguf, max_len, Path(tmp), only=args.rss_child)[key](
-            prompt_ids(loaded, prompt_len), args.gen_len
+            prompt_ids(loaded.tokenizer, prompt_len), args.gen_len
         )
     print(peak_rss_of_this_process())
 
@@ -340,7 +346,7 @@ def main(argv=None):
         load_before = os.getloadavg()
         samples, outputs = {}, {}
         for length in lengths:
-            ids = prompt_ids(loaded, length)
+            ids = prompt_ids(loaded.tokenizer, length)
             for key, run in engines.items():  # warm-up: one-time conversions, allocator, thread pools
                 outputs[(length, *key)] = run(ids, args.gen_len)[2]
             for rep in range(args.repeats):
