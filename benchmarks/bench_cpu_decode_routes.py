@@ -12,7 +12,7 @@ average before and after; compare routes within one run only. `--busy` keeps one
 `--numerics` measures instead how far each route's logits are from the exact int4 model (the Q4_1 weights
 dequantized to fp32, fp32 activations: precision fp32 on the same file): three prompts, their last position and
 then 8 teacher-forced decode steps, mean and largest NMSE, and how often the greedy token differs. The route
-`llama.cpp` (where llama-cpp-python is installed) is llama.cpp on the same GGUF, for comparison.
+`llama.cpp` (where llama-cpp-python is installed) is llama.cpp on the same GGUF, for comparison (speed: batch 1).
 
     python benchmarks/bench_cpu_decode_routes.py --threads 1,2 --rounds 5 --json out.json
     python benchmarks/bench_cpu_decode_routes.py --threads 2 --busy --json out_busy.json
@@ -41,6 +41,7 @@ from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
 ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-sleep", "onnxruntime-spin")
+QUIET_S = 1.0
 POOL_SPIN_US = {"-sleep": 0, "-spin": None}  # a route's suffix: CpuRunner.pool_spin_us
 
 
@@ -76,6 +77,8 @@ def engine_for(loaded, route: str, threads: int, max_len: int, batch: int, preci
 
 
 def decode_rate(engine, ids: list[int], gen_len: int, batch: int) -> float:
+    if callable(engine):  # llama.cpp
+        return engine(ids, gen_len)
     for _ in range(batch):
         engine.add_request(ids, SamplingParams(max_tokens=gen_len, ignore_eos=True))
     times, tokens = [], 0
@@ -121,13 +124,19 @@ def run(args) -> list[dict]:
     for threads in (int(t) for t in args.threads.split(",")):
         for batch in (int(b) for b in args.batch.split(",")):
             routes = args.routes.split(",")
-            engines = {r: engine_for(loaded, r, threads, max_len, batch) for r in routes}
+            engines = {
+                r: llamacpp_decoder(threads, max_len)
+                if r == "llama.cpp"
+                else engine_for(loaded, r, threads, max_len, batch)
+                for r in routes
+            }
             samples = {r: [] for r in routes}
             for engine in engines.values():  # warm-up: graph build, fp16 expansion, thread pools
                 torch.set_num_threads(threads)
                 decode_rate(engine, ids, 8, batch)
             for i in range(args.rounds):
                 for route in routes[i % len(routes) :] + routes[: i % len(routes)]:
+                    time.sleep(QUIET_S)  # the route before may leave threads spinning (-spin, llama.cpp's team)
                     torch.set_num_threads(threads)
                     samples[route].append(decode_rate(engines[route], ids, args.gen_len, batch))
             base = statistics.median(samples["torch"]) if "torch" in samples else None
@@ -188,6 +197,23 @@ def numerics(args, steps: int = 8) -> list[dict]:
             }
         )
     return rows
+
+
+def llamacpp_decoder(threads: int, max_len: int):
+    """decode_rate's measure for llama.cpp on the same GGUF at batch 1: greedy tokens a second after the first."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=max_len, n_threads=threads, verbose=False)
+
+    def rate(ids: list[int], gen_len: int) -> float:
+        times = []
+        for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == gen_len:
+                break
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    return rate
 
 
 def llamacpp_forward():

@@ -260,6 +260,11 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return tokenizer.encode(PROSE * (1 + length // 40))[:length]
 
 
+# Before each run: the engine before it leaves threads spinning for the next op (llama.cpp's OpenMP team for up to
+# ~0.3 s, by libgomp's default spin count), which would take the cores from whoever runs next.
+QUIET_S = 1.0
+
+
 def peak_rss_mib(key: tuple[str, str], args, gguf: Path | None) -> float:
     """Peak RSS of a fresh process that loads the model with one engine and runs the longest prompt once."""
     prompt_len = max(int(n) for n in args.prompt_lens.split(","))
@@ -352,6 +357,7 @@ def main(argv=None):
             for rep in range(args.repeats):
                 order = list(engines.items())
                 for key, run in order[rep % len(order) :] + order[: rep % len(order)]:  # who goes first rotates
+                    time.sleep(QUIET_S)
                     start, times, _ = run(ids, args.gen_len)
                     samples.setdefault((length, *key), []).append(rates(start, times, len(ids)))
                     console.log(
