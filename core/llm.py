@@ -93,7 +93,7 @@ class LLM:
             self.engine = LLMEngine(entry.backend, self.loaded, precision, settings, self.parallel)
             advance(self.engine.precision.name)
         # The engine's model holds what it runs on; the loader's own tensors (q, k, v and gate, up before they were
-        # merged) would stay resident beside their merged copies: 50 MiB on the default model.
+        # merged) would stay resident beside their merged copies: about 50 MiB on the default model.
         self.loaded = dataclasses.replace(self.loaded, weights={})
         if self.parallel and not self.parallel.leader:
             self.parallel.follow(self.engine)

@@ -18,10 +18,10 @@ class CpuRunner(ModelRunner):
 
     int4_route = "auto"  # the profile's choices; set on the subclass CpuBackend.runner_class returns
     batch_invariant = False
-    # How long the graph's idle pool threads spin for the next op before they sleep. A layer's ops are tens of
-    # microseconds apart: spinning through the gaps saves a wake-up each (SmolLM2 at 2 threads, float32 / int8
-    # activations, tok/s: sleeping 80 / 105, 20 us 97 / 122, unbounded 99 / 133), while a bounded spin leaves a
-    # busy neighbour's core alone between steps and ops (with one beside it: 69 / 90, 68 / 100, 46 / 63).
+    # How long the graph's idle pool threads spin for the next op before they sleep. A layer's ops are microseconds
+    # apart: spinning through the gaps saves a wake-up each (SmolLM2 at 2 threads, float32 / int8 activations, tok/s:
+    # sleeping 78 / 97, 20 us 87 / 116, unbounded 96 / 119), while a bounded spin leaves a busy neighbour's core
+    # alone between steps (with one beside it: 66 / 89, 67 / 87, 45 / 59; docs/benchmarks.md).
     pool_spin_us: int | None = 20
 
     def __init__(self, model: DecoderModel, setup: RunnerSetup):
