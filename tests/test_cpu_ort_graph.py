@@ -334,7 +334,7 @@ def test_the_head_codes_built_in_row_chunks_equal_the_whole_tables(q4_1_llama, m
 def test_the_pools_spin_setting_reaches_the_session(q4_1_llama, spin_us, allowed, duration):
     from flashnext.plugins.cpu.ort_graph import OrtModel
 
-    options = OrtModel(engine_for(q4_1_llama, "onnxruntime").model, 2, spin_us=spin_us).session.get_session_options()
+    options = OrtModel(engine_for(q4_1_llama, "onnxruntime").model, 2, "fp32", spin_us).session.get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == allowed
     if duration is None:  # onnxruntime's own spinning, unbounded
         with pytest.raises(RuntimeError, match="does not have configuration"):

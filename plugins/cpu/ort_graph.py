@@ -170,7 +170,7 @@ class Piece:
 class OrtModel:
     """One onnxruntime session running every layer and the LM head over a step's tokens."""
 
-    def __init__(self, model: DecoderModel, threads: int, activations: str = "fp32", spin_us: int | None = 0):
+    def __init__(self, model: DecoderModel, threads: int, activations: str, spin_us: int | None):
         """`spin_us`: how long the pool's idle threads spin for the next op before they sleep (0: they sleep at
         once; None: onnxruntime's own, unbounded spinning)."""
         import onnxruntime as ort
