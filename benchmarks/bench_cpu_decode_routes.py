@@ -34,6 +34,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from bench_cpu_vs_hf import QUIET_S, llamacpp_runner  # noqa: E402
+
 from flashnext.core.engine.sequence import SamplingParams  # noqa: E402
 from flashnext.core.llm import LLM  # noqa: E402
 from flashnext.core.loader import default_model_path, load_model  # noqa: E402
@@ -41,7 +43,6 @@ from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
 ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-sleep", "onnxruntime-spin")
-QUIET_S = 1.0
 POOL_SPIN_US = {"-sleep": 0, "-spin": None}  # a route's suffix: CpuRunner.pool_spin_us
 
 
@@ -122,12 +123,11 @@ def run(args) -> list[dict]:
     load_before = os.getloadavg()
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)  # llama.cpp's runner takes torch's count
         for batch in (int(b) for b in args.batch.split(",")):
             routes = args.routes.split(",")
             engines = {
-                r: llamacpp_decoder(threads, max_len)
-                if r == "llama.cpp"
-                else engine_for(loaded, r, threads, max_len, batch)
+                r: llamacpp_decoder(max_len) if r == "llama.cpp" else engine_for(loaded, r, threads, max_len, batch)
                 for r in routes
             }
             samples = {r: [] for r in routes}
@@ -199,18 +199,13 @@ def numerics(args, steps: int = 8) -> list[dict]:
     return rows
 
 
-def llamacpp_decoder(threads: int, max_len: int):
-    """decode_rate's measure for llama.cpp on the same GGUF at batch 1: greedy tokens a second after the first."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=max_len, n_threads=threads, verbose=False)
+def llamacpp_decoder(max_len: int):
+    """decode_rate's measure for llama.cpp on the same GGUF at batch 1 (bench_cpu_vs_hf's runner): greedy tokens a
+    second after the first."""
+    run = llamacpp_runner(default_model_path(), max_len)
 
     def rate(ids: list[int], gen_len: int) -> float:
-        times = []
-        for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            times.append(time.perf_counter())
-            if len(times) == gen_len:
-                break
+        _, times, _ = run(ids, gen_len)
         return (len(times) - 1) / (times[-1] - times[0])
 
     return rate
