@@ -28,9 +28,15 @@ from flashnext.core.precision import Int4Weight
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
 INT8_ACTIVATIONS, FP32_ACTIVATIONS = 4, 1
 # The projections each `activations` choice runs on int8 activations. The MLP's two hold three quarters of a layer's
-# weights; the attention projections' inputs carry the outlier channels whose blocks int8 rounds coarsely (on
-# SmolLM2 they add more logits error than the MLP's, docs/benchmarks.md).
-ROUNDED = {"fp32": (), "mlp-int8": ("gate_up", "down"), "int8": ("qkv", "o", "gate_up", "down")}
+# weights, gate/up alone half. The inputs of the attention projections and of down (SiLU(gate) * up) carry the
+# outlier channels whose blocks int8 rounds coarsely: on SmolLM2 rounding them is what turns greedy answers
+# (docs/benchmarks.md), rounding gate/up's input alone barely does.
+ROUNDED = {
+    "fp32": (),
+    "gate-up-int8": ("gate_up",),
+    "mlp-int8": ("gate_up", "down"),
+    "int8": ("qkv", "o", "gate_up", "down"),
+}
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 # The LM head as 8-bit codes in blocks of 32 with a scale each (GGUF's Q8_0: a checkpoint that stores its head so
 # is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
@@ -192,7 +198,6 @@ class OrtModel:
         self.weights = builder.external
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
         options.add_external_initializers(list(self.weights), self._values)
-        self.head_rows = head_weight(model).numpy()
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self.layers, self.vocab = cfg.num_layers, cfg.vocab_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -228,23 +233,20 @@ class OrtModel:
         for i, p in enumerate(pieces):
             self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
         inputs = {
-            "hidden": hidden[token_rows].contiguous(),
-            "batch_shape": torch.tensor([n, tokens, -1]),
-            "seqlens": torch.tensor([p.past + tokens - 1 for p in pieces], dtype=torch.int32),
-            "total": torch.tensor(max(p.past for p in pieces) + tokens, dtype=torch.int32),
-            "logit_rows": torch.tensor(wanted),
+            "hidden": hidden[token_rows].contiguous().numpy(),
+            "batch_shape": np.array([n, tokens, -1]),
+            "seqlens": np.array([p.past + tokens - 1 for p in pieces], dtype=np.int32),
+            "total": np.array(max(p.past for p in pieces) + tokens, dtype=np.int32),
+            "logit_rows": np.array(wanted),
         }
         if self.rope_outside:
-            inputs["positions"] = torch.cat([torch.arange(p.past, p.past + tokens) for p in pieces]).view(-1, 1)
-        out, normed = torch.empty(len(wanted), self.vocab), torch.empty(len(wanted), hidden.shape[1])
-        top = torch.empty(len(wanted), min(REFINE_TOP, self.vocab), dtype=torch.int64)
+            inputs["positions"] = np.concatenate([np.arange(p.past, p.past + tokens) for p in pieces]).reshape(-1, 1)
+        out = torch.empty(len(wanted), self.vocab)
         binding = self._bound(kind, first_row, n)
-        for name, t in inputs.items():
-            binding.bind_input(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
-        for name, t in (("logits", out), ("normed", normed), ("top", top)):
-            binding.bind_output(name, "cpu", 0, _NP[t.dtype], tuple(t.shape), t.data_ptr())
+        for name, a in inputs.items():
+            binding.bind_input(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
+        binding.bind_output("logits", "cpu", 0, np.float32, tuple(out.shape), out.data_ptr())
         self.session.run_with_iobinding(binding)
-        self._refine(out, normed, top)
         start = 0
         for i, p in enumerate(pieces):
             slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
@@ -252,13 +254,6 @@ class OrtModel:
             if p.logits:
                 logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
             start += max(p.logits, 1)
-
-    def _refine(self, logits: torch.Tensor, normed: torch.Tensor, top: torch.Tensor) -> None:
-        """The `top` logits of each row again, from the head's weights in float32. In numpy: one thread, so no pool
-        wakes up between the session's calls for a few microseconds of work."""
-        values, x, top = logits.numpy(), normed.numpy(), top.numpy()
-        exact = np.einsum("rh,rth->rt", x, self.head_rows[top].astype(np.float32))
-        np.put_along_axis(values, top, exact, axis=1)
 
     def _bound(self, kind: str, first_row: int, n: int):
         """The binding of `kind` with each layer's past and present keys / values on the same cache rows (the call
@@ -286,9 +281,6 @@ def head_weight(model: DecoderModel) -> torch.Tensor:
     """The LM head's weights as the model keeps them (the tied embedding keeps a GGUF's values in fp32)."""
     tied = model.config.tie_word_embeddings and model.lm_head.shape == model.embed.shape
     return model.embed if tied else model.lm_head
-
-
-_NP = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}
 
 
 class GraphBuilder:
@@ -383,6 +375,18 @@ class GraphBuilder:
         inputs = [x, self.const(codes.numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")]
         return self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
 
+    def refine(self, logits: str, x: str) -> str:
+        """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32
+        (the rows gathered from the model's tensor, read in place)."""
+        top_k = min(REFINE_TOP, self.cfg.vocab_size)
+        top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
+        rows = self.one("Gather", [self.const(head_weight(self.model).numpy(), "head_rows"), top], axis=0)
+        if head_weight(self.model).dtype != torch.float32:
+            rows = self.one("Cast", [rows], to=TensorProto.FLOAT)
+        exact = self.one("MatMul", [rows, self.one("Unsqueeze", [x, self.ints(-1)])])  # [rows, top_k, 1]
+        exact = self.one("Reshape", [exact, self.ints(0, top_k)])
+        return self.one("ScatterElements", [logits, top, exact], axis=1)
+
     def layer(self, i: int, residual: str, hidden: str | None) -> tuple[str, str]:
         cfg, w = self.cfg, self.model.layers[i]
         d, heads, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -427,11 +431,7 @@ class GraphBuilder:
             residual, hidden = self.layer(i, residual, hidden)
         out, _ = self.add_rmsnorm(hidden, residual, self.model.norm)
         wanted = self.one("Gather", [out, "logit_rows"], axis=0)
-        self.nodes.append(helper.make_node("Identity", [wanted], ["normed"]))
-        logits = self.head(wanted)
-        self.nodes.append(helper.make_node("Identity", [logits], ["logits"]))
-        top = self.op("TopK", [logits, self.ints(min(REFINE_TOP, cfg.vocab_size))], outputs=2, axis=-1)[1]
-        self.nodes.append(helper.make_node("Identity", [top], ["top"]))
+        self.nodes.append(helper.make_node("Identity", [self.refine(self.head(wanted), wanted)], ["logits"]))
         f32, i32 = TensorProto.FLOAT, TensorProto.INT32
         kv, d = cfg.num_kv_heads, cfg.head_dim
         run = ["batch", kv, "capacity", d]
@@ -447,8 +447,6 @@ class GraphBuilder:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
         outputs = [
             helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size]),
-            helper.make_tensor_value_info("normed", f32, ["wanted", cfg.hidden_size]),
-            helper.make_tensor_value_info("top", i64, ["wanted", min(REFINE_TOP, cfg.vocab_size)]),
         ]
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
