@@ -15,18 +15,16 @@ from .kernels import EXPANDED_DTYPE, CpuKernels
 
 
 class CpuProfile(Profile):
-    """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: one onnxruntime graph computing
-    from the 4-bit codes, with float32 activations (`onnxruntime`: the reference's numbers but for the 8-bit LM
-    head's rounding), or with the activations into some projections rounded to int8 in blocks as llama.cpp's Q4 x Q8
-    dot does: into the MLP's gate/up (`onnxruntime-gate-up-int8`), into gate/up and down (`onnxruntime-mlp-int8`),
-    into all of them (`onnxruntime-int8`: the fastest, the largest error); `torch` (the weights expanded once to
-    fp16); `auto`: `onnxruntime-gate-up-int8` where onnxruntime is installed and the model fits the graph (faster
-    than float32, half llama.cpp's logits error; rounding more inputs changes the README's first answer), else
-    torch. Env FLASHNEXT_INT4_ROUTE. docs/benchmarks.md has each route's speed and logits error."""
+    """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: `onnxruntime` (one graph computing
+    from the 4-bit codes, float32 activations: the reference's numbers but for the 8-bit LM head's rounding),
+    `onnxruntime-mlp-int8` (the same graph with the activations into the MLP projections rounded to int8 in blocks
+    as llama.cpp's Q4 x Q8 dot does: faster, logits error below llama.cpp's), `onnxruntime-int8` (int8 into every
+    projection: the fastest, the largest error), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime
+    where it is installed and the model fits the graph: rounding moves near-tied tokens, and on the default model
+    it changes the README's first answer); env FLASHNEXT_INT4_ROUTE. docs/benchmarks.md has each route's speed
+    and logits error."""
 
-    int4_route: Literal[
-        "auto", "onnxruntime-gate-up-int8", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "torch"
-    ] = "auto"
+    int4_route: Literal["auto", "onnxruntime-mlp-int8", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
     def executed_on(self) -> str:
         return f"profile '{self.name}', int4_route {self.int4_route}"
@@ -94,8 +92,8 @@ def int4_route_fact() -> str:
     if importlib.util.find_spec("onnxruntime") is None:
         return "torch (weights expanded to fp16): onnxruntime is not installed"
     return (
-        "onnxruntime MatMulNBits, one graph, int8 activations into the MLP's gate/up, float32 elsewhere"
-        " (int4_route: onnxruntime, onnxruntime-mlp-int8, onnxruntime-int8, torch)"
+        "onnxruntime MatMulNBits, one graph, float32 activations"
+        " (int4_route: onnxruntime-mlp-int8, onnxruntime-int8, torch)"
     )
 
 

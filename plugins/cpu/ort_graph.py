@@ -28,15 +28,9 @@ from flashnext.core.precision import Int4Weight
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
 INT8_ACTIVATIONS, FP32_ACTIVATIONS = 4, 1
 # The projections each `activations` choice runs on int8 activations. The MLP's two hold three quarters of a layer's
-# weights, gate/up alone half. The inputs of the attention projections and of down (SiLU(gate) * up) carry the
-# outlier channels whose blocks int8 rounds coarsely: on SmolLM2 rounding them is what turns greedy answers
-# (docs/benchmarks.md), rounding gate/up's input alone barely does.
-ROUNDED = {
-    "fp32": (),
-    "gate-up-int8": ("gate_up",),
-    "mlp-int8": ("gate_up", "down"),
-    "int8": ("qkv", "o", "gate_up", "down"),
-}
+# weights; the attention projections' inputs carry the outlier channels whose blocks int8 rounds coarsely (on
+# SmolLM2 they add more logits error than the MLP's, docs/benchmarks.md).
+ROUNDED = {"fp32": (), "mlp-int8": ("gate_up", "down"), "int8": ("qkv", "o", "gate_up", "down")}
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 # The LM head as 8-bit codes in blocks of 32 with a scale each (GGUF's Q8_0: a checkpoint that stores its head so
 # is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
@@ -198,6 +192,7 @@ class OrtModel:
         self.weights = builder.external
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
         options.add_external_initializers(list(self.weights), self._values)
+        self.head_rows = head_weight(model).numpy()
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self.layers, self.vocab = cfg.num_layers, cfg.vocab_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -260,6 +255,8 @@ class OrtModel:
         writes its keys and values there in place)."""
         binding, key = self.bindings[kind]
         if key != (first_row, n, self.rows.version):
+            head = self.head_rows
+            binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
             for i in range(self.layers):
                 for name, cache in (("k", self.rows.k), ("v", self.rows.v)):
                     run = cache[i, first_row : first_row + n]
@@ -376,11 +373,11 @@ class GraphBuilder:
         return self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
 
     def refine(self, logits: str, x: str) -> str:
-        """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32
-        (the rows gathered from the model's tensor, read in place)."""
+        """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32.
+        The weights are an input bound to the model's tensor: as an initializer onnxruntime copied them."""
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
-        rows = self.one("Gather", [self.const(head_weight(self.model).numpy(), "head_rows"), top], axis=0)
+        rows = self.one("Gather", ["head_rows", top], axis=0)
         if head_weight(self.model).dtype != torch.float32:
             rows = self.one("Cast", [rows], to=TensorProto.FLOAT)
         exact = self.one("MatMul", [rows, self.one("Unsqueeze", [x, self.ints(-1)])])  # [rows, top_k, 1]
@@ -445,6 +442,9 @@ class GraphBuilder:
         ]
         if cfg.qk_norm:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
+        head = head_weight(self.model)
+        head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
+        inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))
         outputs = [
             helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size]),
         ]

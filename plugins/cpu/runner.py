@@ -92,25 +92,17 @@ def pieces(batch) -> list[ort_graph.Piece]:
 
 
 # What each onnxruntime route rounds to int8 (ort_graph.ROUNDED), and how `run --explain` says it.
-ROUTE_ACTIVATIONS = {
-    "onnxruntime": "fp32",
-    "onnxruntime-gate-up-int8": "gate-up-int8",
-    "onnxruntime-mlp-int8": "mlp-int8",
-    "onnxruntime-int8": "int8",
-}
-AUTO_ROUTE = "onnxruntime-gate-up-int8"
+ROUTE_ACTIVATIONS = {"onnxruntime": "fp32", "onnxruntime-mlp-int8": "mlp-int8", "onnxruntime-int8": "int8"}
 ACTIVATIONS_SAID = {
     "fp32": "float32 activations",
-    "gate-up-int8": "int8 activations into the MLP's gate/up projection, float32 into the others",
     "mlp-int8": "int8 activations into the MLP projections, float32 into attention's",
     "int8": "int8 activations",
 }
 
 
 def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
-    """(route, why): an onnxruntime route where the graph can run this model's steps and the choice allows it.
-    `auto` is AUTO_ROUTE: on SmolLM2 at 2 threads 1.1x float32's decode, half llama.cpp's logits error, and the
-    README's answers kept (rounding down's or attention's inputs too turns its first one)."""
+    """(route, why): an onnxruntime route where the graph can run this model's steps and the choice allows it;
+    `auto` is `onnxruntime` (float32 activations: the rounded routes change the README's first answer)."""
     if choice == "torch":
         return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
     if model.precision.name != "int4":
@@ -121,7 +113,7 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
     if getattr(model.kernels, "batch_invariant", False):  # onnxruntime's GEMMs block by the number of rows
         reason = "batch_invariant asks for fixed per-row arithmetic"
     if reason is None:
-        route = AUTO_ROUTE if choice == "auto" else choice
+        route = "onnxruntime" if choice == "auto" else choice
         acts = ACTIVATIONS_SAID[ROUTE_ACTIVATIONS[route]]
         return route, f"int4 steps through one onnxruntime MatMulNBits graph, {acts}"
     if choice != "auto":
