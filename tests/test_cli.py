@@ -217,9 +217,12 @@ def test_refused_precision_exits_2_before_the_model_loads(monkeypatch, precision
     assert result.stderr.startswith("error:") and fragment in result.stderr and "Traceback" not in result.output
 
 
-def test_empty_prompt_exits_2(tiny_llama):
+def test_empty_prompt_exits_2_before_the_model_loads(tiny_llama, monkeypatch):
+    from flashnext.core import loader
+
+    monkeypatch.setattr(loader, "load_model", lambda spec: pytest.fail("the model loaded before the prompt was read"))
     result = invoke("run", "   ", "--backend", "cpu", "--model", str(tiny_llama))
-    assert result.exit_code == 2 and "prompt is empty" in result.stderr
+    assert result.exit_code == 2 and result.stderr.strip() == "error: the prompt is empty: give some text"
 
 
 def test_prompt_longer_than_context_exits_2(tiny_llama):
