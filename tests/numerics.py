@@ -3,6 +3,7 @@ perplexity measures, prompts."""
 
 import torch
 
+from flashnext.core.engine.runner import StepInput
 from flashnext.core.engine.scheduler import ScheduledSeq
 from flashnext.core.engine.sequence import SamplingParams, Sequence
 from flashnext.core.llm import LLM
@@ -49,6 +50,23 @@ def engine_outputs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor
             chunks.append(logits)
             engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
     return torch.cat(states), torch.cat(chunks)
+
+
+def served_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of every prompt position through `runner.step`, the path a served request's
+    steps take (for the CPU's int4 default, the onnxruntime graph rather than the torch forward), prefill chunks
+    included."""
+    engine = llm.engine
+    seq = engine.add_request(ids, SamplingParams(max_tokens=1))
+    chunks = []
+    with torch.inference_mode():
+        while seq.finish_reason is None:
+            batch = engine.scheduler.schedule()
+            every_row = [ScheduledSeq(item.seq, item.num_tokens, item.num_tokens) for item in batch]
+            logits = engine.runner.step(StepInput(every_row, False)).logits
+            chunks.append(logits.float())
+            engine._postprocess(batch, [int(logits[-1].argmax())] if batch[-1].num_logits else [])
+    return torch.cat(chunks)
 
 
 def step_logits(engine, prompts: list[list[int]], steps: int, forced=None) -> list[torch.Tensor]:
