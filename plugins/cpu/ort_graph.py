@@ -192,7 +192,7 @@ class OrtModel:
         self.weights = builder.external
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
         options.add_external_initializers(list(self.weights), self._values)
-        self.head_rows = head_weight(model).numpy()
+        self.head_rows = np.ascontiguousarray(head_weight(model).numpy())  # bound by address (copied only if strided)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self.layers, self.vocab = cfg.num_layers, cfg.vocab_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
