@@ -200,6 +200,9 @@ class OrtModel:
         # One binding for the step's one-token rows, one for a longer piece: each binds the cache rows again only
         # when its rows or the buffers changed.
         self.bindings = {kind: [self.session.io_binding(), None] for kind in ("group", "one")}
+        head = self.head_rows
+        for binding, _ in self.bindings.values():  # the head's rows stay where they are: bound once
+            binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
 
     def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
@@ -255,8 +258,6 @@ class OrtModel:
         writes its keys and values there in place)."""
         binding, key = self.bindings[kind]
         if key != (first_row, n, self.rows.version):
-            head = self.head_rows
-            binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
             for i in range(self.layers):
                 for name, cache in (("k", self.rows.k), ("v", self.rows.v)):
                     run = cache[i, first_row : first_row + n]
@@ -377,7 +378,7 @@ class GraphBuilder:
         The weights are an input bound to the model's tensor: as an initializer onnxruntime copied them."""
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
-        rows = self.one("Gather", ["head_rows", top], axis=0)
+        rows = self.one("Gather", ["head_rows", top], axis=0)  # the graph input `build` declares
         if head_weight(self.model).dtype != torch.float32:
             rows = self.one("Cast", [rows], to=TensorProto.FLOAT)
         exact = self.one("MatMul", [rows, self.one("Unsqueeze", [x, self.ints(-1)])])  # [rows, top_k, 1]
