@@ -6,7 +6,8 @@ Random Qwen3-0.6B-shaped weights (bf16) with one random DeepSeek-V3 style MTP mo
 on the GPU, graphs replayed directly (CUDA events around the replays only):
 - a captured decode step of --spec none (and of --spec mtp, which keeps the step's target states for the module),
   and a captured MTP round (drafts + verify + verdict + catch-up) for
-  K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2); the round twice: drafts rejected (the random module)
+  K = 1, 2, 3, as a ratio to it (targets 1.6 / 1.9 / 2.2), and the probe's round (the one-draft graph the kind
+  chooser's retries run while decode leads); the round twice: drafts rejected (the random module)
   and drafts accepted (the copying module, whose catch-up runs over all K + 1 rows);
 - the round's parts, each captured alone: the drafts, and the catch-up (the rest is the verify step); and the
   wall time of the catch-up a spec chunk runs over positions decode steps left out;
@@ -93,11 +94,14 @@ def decode_step_us(llm: LLM) -> float:
     return replay_us(runner.graphs[(1, True, "decode")], fill)
 
 
-def mtp_round_us(llm: LLM) -> float:
+def mtp_round_us(llm: LLM, kind: str = "spec") -> float:
+    """A captured round of the full-width spec graph, or with kind "probe" of the one-draft graph the kind
+    chooser's retries run while decode leads."""
     runner = llm.engine.runner
     batch = prefilled(llm)
     runner._ensure_graphs(batch, 1, True)
-    return replay_us(runner.graphs[(1, True, "spec")], lambda: runner._fill_spec(batch, 1))
+    key, q = (1, True, kind), runner._verify_rows(kind)
+    return replay_us(runner.graphs[key], lambda: runner._fill_spec(batch, 1, q))
 
 
 def round_parts_us(llm: LLM) -> dict[str, float]:
@@ -212,6 +216,7 @@ def main() -> None:
             llm = make_llm(loaded, "mtp", k, head)
             round_us = mtp_round_us(llm)
             cost = round_us / step
+            probe = mtp_round_us(llm, llm.engine.runner._probe_kind()) / step
             parts = {f"{name}_over_decode": round(us / step, 3) for name, us in round_parts_us(llm).items()}
             decode = decode_step_us(llm) / step  # its decode steps keep the target's states for the module
             catch_up_us = catch_up_after_decode_us(llm)
@@ -220,6 +225,7 @@ def main() -> None:
             out["rounds"][name][key] = {
                 "round_over_decode": round(cost, 3),
                 "target": TARGETS[k],
+                "probe_round_over_decode": round(probe, 3),
                 "mtp_decode_step_over_decode": round(decode, 3),
                 **parts,
                 f"catch_up_after_decode_{PROMPT_LEN - 1}_positions_us": round(catch_up_us, 1),
@@ -253,7 +259,8 @@ def print_table(out: dict) -> None:
     rounds, e2e = out["rounds"], out["e2e"]
     print(f"{out['machine']}  {SHAPE} bf16 batch 1, decode step {rounds['rejecting']['decode_step_us']} us")
     print(
-        " K  head    round/decode (target)  draft  catch-up  accepted-round  break-even  x@85%  x@90%  mtp/none rej"
+        " K  head    round/decode (target)  probe  draft  catch-up  accepted-round  break-even  x@85%  x@90%"
+        "  mtp/none rej"
         "  mtp/none acc  lossless"
     )
     for k, head in ((k, head) for k in KS for head in out["heads"]):
@@ -261,7 +268,7 @@ def print_table(out: dict) -> None:
         rej, acc, proj = rounds["rejecting"][key], rounds["accepting"][key], rounds[f"projection_{key}"]
         e_rej, e_acc = e2e["rejecting"][key], e2e["accepting"][key]
         print(
-            f" {k}  {head:<6}  {rej['round_over_decode']:>5} ({rej['target']})"
+            f" {k}  {head:<6}  {rej['round_over_decode']:>5} ({rej['target']})  {rej['probe_round_over_decode']:>5}"
             f"  {rej['draft_over_decode']:>5}  {rej['catch_up_over_decode']:>8}"
             f"  {acc['round_over_decode']:>14}  {proj['break_even_acceptance']!s:>10}"
             f"  {proj['speedup_at_0.85']:>5}  {proj['speedup_at_0.9']:>5}"

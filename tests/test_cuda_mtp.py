@@ -72,6 +72,42 @@ def test_mtp_in_the_graphs_gives_the_plain_tokens(tiny_random, mtp_engine, copyi
 
 
 @pytest.mark.slow
+def test_probes_run_the_one_draft_graph_and_keep_the_plain_tokens_and_the_modules_cache(tiny_random, mtp_engine):
+    """While decode chunks lead, the chooser's spec retries run the probe graph (two verify rows a sequence, one
+    draft) of a K = 3 engine: its drafts, verdicts and catch-ups give --spec none's tokens, only the first draft
+    position is ever verified, and the module's cache equals a from-scratch run's."""
+    loaded = with_mtp_module(tiny_random, copying=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [want] = generate(mtp_engine(loaded, spec="none"), PROMPTS[:1], params)
+    engine = mtp_engine(loaded, spec="mtp", spec_tokens=3, spec_adaptive=False)
+    runner = engine.runner
+    runner.spec_winning = False  # decode leads: every spec chunk is a probe (fixed K asks for spec every round)
+    ran = []
+    replay = runner._replay_spec
+    runner._replay_spec = lambda key, steps: ran.append(key[2]) or replay(key, steps)
+    seq = engine.add_request(PROMPTS[0], params)
+    while len(seq.output_ids) < 5:
+        engine.step()
+    kept, bs = seq.num_computed, engine.blocks.block_size
+    fresh = mtp_engine(loaded, spec="mtp", spec_tokens=3, spec_adaptive=False, cuda_graphs=False)
+    again = fresh.add_request(seq.token_ids[:kept], SamplingParams(max_tokens=4, ignore_eos=True))
+    fresh.step()
+
+    def slots(s):
+        return torch.tensor([s.block_table[p // bs] * bs + p % bs for p in range(kept)])
+
+    device = runner.device_drafter
+    for device_cache, host_cache in zip(device.caches, (fresh.spec.drafter.k_cache, fresh.spec.drafter.v_cache)):
+        torch.testing.assert_close(device_cache.flatten(0, 1)[slots(seq)], host_cache.flatten(0, 1)[slots(again)])
+    while engine.has_work():
+        engine.step()
+    assert seq.output_ids == want and set(ran) == {"probe"}
+    stats = engine.spec_stats()
+    assert stats["accepted"] > 0 and stats["drafted"] == stats["drafts"]  # one draft a step
+    assert stats["accepted_per_position"][1:] == [0, 0]
+
+
+@pytest.mark.slow
 def test_seeded_mtp_sampling_in_the_graphs_is_plain_sampling(tiny_random, mtp_engine):
     """Seeded sampling through the verify rows' sampler: --spec none's tokens. A low temperature, as the copying
     module's greedy drafts are otherwise mostly rejected by the tiny model's flat distribution."""
@@ -112,7 +148,7 @@ def first_draft(device, state) -> list[int]:
     """The device drafter's greedy draft from a chained state (one live row)."""
     column = torch.zeros(device.k + 1, dtype=torch.int64, device=state.device)
     live = torch.ones(1, dtype=torch.int32, device=state.device)
-    return device._greedy(device.mtp.head_input(device.kernels, state), live, column).tolist()
+    return device._greedy(device.mtp.head_input(device.kernels, state), live, column, device.k).tolist()
 
 
 @pytest.mark.slow
@@ -195,8 +231,6 @@ def test_a_request_keeps_its_acceptance_through_chunks_it_is_not_in(tiny_random,
     drafter.before_chunk([failing, fine])
     assert drafter.limit[:2].tolist() == [0, 3]
     assert isinstance(failing.seq.spec_tracker, MtpTracker) and failing.seq.spec_tracker.pause_left > 0
-    drafter.before_chunk([failing, fine], probe=True)  # the kind chooser's retry: one draft a step at most
-    assert drafter.limit[:2].tolist() == [0, 1]
 
 
 def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):

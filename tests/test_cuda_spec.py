@@ -65,21 +65,24 @@ def _verify_batch(seqs, drafts):
     return [ScheduledSeq(s, 1 + len(d), 1 + len(d)) for s, d in zip(seqs, drafts)]
 
 
-def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random):
+@pytest.mark.parametrize("verify_rows", [4, 2], ids=["spec", "probe"])
+def test_spec_chunk_on_the_device_yields_the_plain_decode_tokens(tiny_random, verify_rows):
     """Device drafting + verify + accept, chained (the graph body run eagerly): the history it grows is the greedy
-    continuation step-by-step decoding gives, several tokens a step on a repetitive prompt."""
+    continuation step-by-step decoding gives, several tokens a step on a repetitive prompt; the probe graph's
+    narrower steps (one draft each, counted in the full-width counters) too."""
     runner = _tiny_runner(tiny_random, device=DEV)
     assert runner.spec_rows == 4 and runner.lookahead_tokens == max(2 * MAX_DECODE_STEPS, 2 * SPEC_CHUNK_STEPS * 4)
     [seq] = _prefilled(runner, [REPEATING_PROMPT])
     seq.params = SamplingParams(max_tokens=20, ignore_eos=True)
     seq.block_table = list(range(16))  # room for the whole look-ahead
-    starts = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1)
+    starts = runner._fill_spec([ScheduledSeq(seq, 1, 1)], 1, verify_rows)
     for _ in range(3):
-        runner._spec_body(1, greedy=True)
+        runner._spec_body(1, greedy=True, q=verify_rows)
     ntok = int(runner.dev_spec[0, 0])
     produced = runner.dev_hist[0, starts[0] : ntok].tolist()
     steps, drafts, drafted, accepted, *per_position = runner.dev_spec_stats[0].tolist()
     assert steps == 3 and len(produced) == 3 + accepted and drafted > 0 and per_position[0] <= drafts <= steps
+    assert drafted <= steps * (verify_rows - 1) and per_position[verify_rows - 1 :] == [0] * (4 - verify_rows)
 
     ref_model = DecoderModel(
         tiny_random.config, tiny_random.weights, ReferenceKernels(), PRECISIONS["fp32"], DEV, torch.float32
@@ -164,7 +167,7 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
     captured = []
 
     def capture(self, key, body, query_rows):
-        captured.append(key)
+        captured.append((*key, query_rows))
         self.graphs[key] = object()
 
     monkeypatch.setattr(CudaGraphRunner, "_capture", capture)
@@ -172,12 +175,16 @@ def test_a_bucket_captures_its_decode_and_verify_graphs_together(tiny_random, mo
     seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
     seq.block_table, seq.num_computed = list(range(4)), 5
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
-    assert captured == [(1, True, "decode"), (1, True, "spec")]
+    assert captured == [(1, True, "decode", 1), (1, True, "spec", 4), (1, True, "probe", 2)]  # and query rows
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
-    assert len(captured) == 2  # once
+    assert len(captured) == 3  # once
     seq.spec_enabled = False  # a request that opted out: decode graphs only
     runner._ensure_graphs([ScheduledSeq(seq, 1, 1)], 2, True)
-    assert captured[2:] == [(2, True, "decode")]
+    assert captured[3:] == [(2, True, "decode", 1)]
+    one_draft = _tiny_runner(tiny_random, block_size=8, profile=NGRAM.overridden(spec_tokens=1))
+    seq.spec_enabled = True
+    one_draft._ensure_graphs([ScheduledSeq(seq, 1, 1)], 1, True)
+    assert captured[4:] == [(1, True, "decode", 1), (1, True, "spec", 2)]  # K = 1: the probe is the spec graph
 
 
 def test_large_weights_keep_one_route_for_a_graphs_decode_and_verify_rows(tiny_random):
@@ -308,6 +315,38 @@ def test_a_retry_asked_for_while_queueing_runs_and_only_rounds_with_a_chunk_behi
     round_of("decode")
     runner._close_round()
     assert runner.rates_of(1)["decode"] > 0 and runner.rates_of(1)["spec"] == 0.0 and not runner.rates_of(2)["decode"]
+
+
+def test_a_losing_spec_is_probed_in_the_narrow_graph_until_a_probe_wins(tiny_random, monkeypatch):
+    """While decode leads, spec chunks run the probe graph (one draft a verify step, the cheapest round); a probe's
+    round sets spec's rate but not the full-width verify-step rate the n-gram estimate reads; a probe that wins
+    queues no second probe behind it: the next chunk runs the full-width graph, its inputs laid out afresh."""
+    runner = _tiny_runner(tiny_random)
+    seq = Sequence(list(range(6)), SamplingParams(max_tokens=100))
+    seq.block_table, seq.num_computed = list(range(4)), 5
+    batch = [ScheduledSeq(seq, 1, 1)]
+    assert runner._spec_kind() == "spec"  # nothing measured yet
+    runner.rates_of(1).update(spec=100.0, decode=200.0)
+    assert not runner._spec_chunk_wanted(batch) and runner._spec_kind() == "probe"
+    runner._ahead = _Lookahead([seq], [seq.num_computed - 4], [np.arange(8)])
+    runner._round = ("probe", 0.0, runner.graph_captures)
+    monkeypatch.setattr(time, "perf_counter", lambda: 4 / 400.0)  # 4 tokens taken at 400 a second
+    runner._close_round()
+    assert runner.rates_of(1)["spec"] == 250.0 and runner.verify_step_rates == {}
+    queued = []
+    monkeypatch.setattr(CudaGraphRunner, "_replay_spec", lambda self, key, steps: queued.append(key))
+    monkeypatch.setattr(
+        CudaGraphRunner,
+        "_to_host",
+        lambda self, tokens, host, meanwhile=None: (meanwhile and meanwhile(), host.copy_(tokens).numpy())[1],
+    )
+    monkeypatch.setattr(CudaGraphRunner, "_spec_chunk_wanted", lambda self, batch: True)
+    runner._read_spec(batch, (1, True, "probe"), 2, [6])  # still losing: the retry's second probe is queued
+    assert queued == [(1, True, "probe")] and runner._next_kind is None
+    runner.spec_winning = True  # the probe won
+    runner._read_spec(batch, (1, True, "probe"), 2, [6])
+    assert queued == [(1, True, "probe")] and runner._in_flight is None and runner._next_kind == "spec"
+    assert runner._spec_kind() == "spec"
 
 
 @pytest.mark.parametrize(

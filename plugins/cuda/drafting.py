@@ -117,6 +117,7 @@ def _spec_accept_kernel(
     stats_ptr,
     stop_ptr,
     hist_stride,
+    stats_stride,
     STAT_FIELDS: tl.constexpr,
     K: tl.constexpr,
     Q_BLOCK: tl.constexpr,
@@ -153,7 +154,7 @@ def _spec_accept_kernel(
         tl.store(hist_ptr + j * hist_stride + ntok + r, sampled, mask=r < take)
         tl.store(ntok_ptr + j, ntok + take)
         tl.store(cap_ptr + j, tl.where(first_stop < take, ntok + take, cap))
-        stats = stats_ptr + j * (STAT_FIELDS + K)
+        stats = stats_ptr + j * stats_stride
         tl.store(stats, tl.load(stats) + 1)
         tl.store(stats + 1, tl.load(stats + 1) + (n_draft > 0))
         tl.store(stats + 2, tl.load(stats + 2) + n_draft)
@@ -168,13 +169,20 @@ class DeviceVerifier:
     step; drafting by prompt lookup reads the history alone, so there they do nothing."""
 
     def __init__(self, kernels: CudaKernels, k: int):
-        self.kernels, self.k = kernels, k
+        self.kernels, self.k = kernels, k  # k: the widest graph's drafts a step
         self.totals = np.zeros(SPEC_STAT_FIELDS + k, dtype=np.int64)  # see _spec_accept_kernel
+
+    @staticmethod
+    def drafts_per_step(ids: torch.Tensor, hist: torch.Tensor) -> int:
+        """K of a verify step: its ids hold K + 1 rows for each of hist's sequences (a probe's graph is narrower
+        than the widest)."""
+        return ids.shape[0] // hist.shape[0] - 1
 
     def accept(self, sampled, ids, hist, ntok, cap, n_draft, stats, stops) -> None:
         """Drafts up to the first that differs from the target's sample, then the sample, onto the history.
         sampled: [rows * (k + 1)] tokens, or argmax_keys' [rows * (k + 1), chunks] keys of a greedy step;
         stops: [rows, SPEC_STOP_IDS] each row's stop tokens, -1 padded."""
+        k = self.drafts_per_step(ids, hist)
         _spec_accept_kernel[(hist.shape[0],)](
             sampled,
             ids,
@@ -185,9 +193,10 @@ class DeviceVerifier:
             stats,
             stops,
             hist.stride(0),
+            stats.stride(0),
             STAT_FIELDS=SPEC_STAT_FIELDS,
-            K=self.k,
-            Q_BLOCK=_pow2(self.k + 1),
+            K=k,
+            Q_BLOCK=_pow2(k + 1),
             CHUNKS=_key_chunks(sampled),
             STOPS=stops.shape[1],
             **self.kernels._pdl,
@@ -202,8 +211,8 @@ class DeviceVerifier:
     def before_spec(self, batch) -> None:
         """Spec chunks for `batch` follow other kinds of step."""
 
-    def before_chunk(self, batch, probe: bool = False) -> None:
-        """A spec chunk for `batch` is about to be queued (probe: a retry of spec chunks while decode chunks lead)."""
+    def before_chunk(self, batch) -> None:
+        """A spec chunk for `batch` is about to be queued."""
 
     def after_chunk(self, batch, row_stats) -> None:
         """A spec chunk for `batch` was read: its counters per row (see _spec_accept_kernel)."""
@@ -232,6 +241,7 @@ class DeviceNgramDrafter(DeviceVerifier):
         inputs of a K + 1-row verify step (`verify`: ids, positions, slots, ctx, seeds)."""
         hist, ntok, cap, max_pos, req_seed, n_draft = state
         ids, positions, slots, ctx, seeds = verify
+        k = self.drafts_per_step(ids, hist)
         _spec_draft_kernel[(hist.shape[0],)](
             hist,
             ntok,
@@ -247,8 +257,8 @@ class DeviceNgramDrafter(DeviceVerifier):
             n_draft,
             hist.stride(0),
             tables.stride(0),
-            K=self.k,
-            Q_BLOCK=_pow2(self.k + 1),
+            K=k,
+            Q_BLOCK=_pow2(k + 1),
             MIN_N=self.rule.min_n,
             MAX_N=self.rule.max_n,
             BLOCK_SIZE=block_size,

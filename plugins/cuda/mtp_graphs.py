@@ -33,11 +33,6 @@ from .forward import live_rows
 from .kernels import CudaKernels
 from .primitives import _after_producer, _pow2
 
-# Drafts a step in a probe, a spec chunk run while decode chunks deliver faster (the kind chooser's retry): one
-# draft a step costs the least of any K and still breaks even at a lower acceptance than more would, so a text that
-# turned draftable still wins the probe; the request's tracker then grows K chunk by chunk.
-PROBE_DRAFTS = 1
-
 
 @triton.jit
 def _mtp_plan_kernel(
@@ -337,15 +332,13 @@ class DeviceMtpDrafter(DeviceVerifier):
         return block_size * model.config.hidden_size * model.dtype.itemsize
 
     # --- around a spec chunk ---------------------------------------------------------------------------------
-    def before_chunk(self, batch, probe: bool = False) -> None:
-        """Each row's drafts for the chunk about to be queued (its request's adaptive K, 0 while paused; at most
-        PROBE_DRAFTS in a probe: the cheapest round that still shows whether the text drafts well), after the
-        module caught up over the positions decode steps left out."""
+    def before_chunk(self, batch) -> None:
+        """Each row's drafts for the chunk about to be queued (its request's adaptive K, 0 while paused; the graph's
+        width caps it), after the module caught up over the positions decode steps left out."""
         self.before_spec(batch)
         limits = self.host_limit.numpy()
         for j, item in enumerate(batch):
-            wanted = self._tracker(item.seq).drafts_wanted()
-            limits[j] = min(wanted, PROBE_DRAFTS) if probe else wanted
+            limits[j] = self._tracker(item.seq).drafts_wanted()
         self.limit[: len(batch)].copy_(self.host_limit[: len(batch)], non_blocking=True)
 
     def after_chunk(self, batch, row_stats) -> None:
@@ -388,7 +381,7 @@ class DeviceMtpDrafter(DeviceVerifier):
         a K + 1-row verify step (`verify`: ids, positions, slots, ctx, seeds)."""
         hist, ntok, cap, max_pos, req_seed, n_draft = state
         ids, positions, slots, ctx, seeds = verify
-        rows, k = hist.shape[0], self.k
+        rows, k = hist.shape[0], self.drafts_per_step(ids, hist)
         _mtp_plan_kernel[(rows,)](
             hist,
             ntok,
@@ -418,16 +411,16 @@ class DeviceMtpDrafter(DeviceVerifier):
             **self.kernels._pdl,
         )
         chained = self.states[self.state_slot[:rows]]
-        token = self._greedy(self.mtp.head_input(self.kernels, chained), self.draft_live[:rows], ids[1:])
+        token = self._greedy(self.mtp.head_input(self.kernels, chained), self.draft_live[:rows], ids[1:], k)
         for s in range(1, k):
             meta = self._meta(self.chain_slot[s - 1, :rows], self.chain_ctx[s - 1, :rows], tables)
             out, residual = self._forward(token, chained, self.chain_pos[s - 1, :rows], meta)
             chained, head_in = self._chained(out, residual)
-            token = self._greedy(head_in, meta.context_lens, ids[s + 1 :])
+            token = self._greedy(head_in, meta.context_lens, ids[s + 1 :], k)
 
     def after_verify(self, hidden, residual, verify, hist, ntok, tables) -> None:
         ids, positions, slots, ctx, seeds = verify
-        rows, k = hist.shape[0], self.k
+        rows, k = hist.shape[0], self.drafts_per_step(ids, hist)
         t = rows * (k + 1)
         _mtp_catch_up_kernel[(rows,)](
             hist,
@@ -522,14 +515,15 @@ class DeviceMtpDrafter(DeviceVerifier):
         normed, summed = self.kernels.add_rmsnorm(out, residual, self.mtp.out_norm, self.mtp.eps)
         return (normed if self.mtp.layout.chains_normed else summed), normed
 
-    def _greedy(self, head_in: torch.Tensor, live: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    def _greedy(self, head_in: torch.Tensor, live: torch.Tensor, column: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts (a point-mass proposal, which the target's own sampler verifies exactly) from the head's
-        input, written to `column` (every K + 1-th element: a verify input) and returned. Rows not `live` (0) skip
-        the head where it is the register GEMV (one-sequence graphs); their drafts are 0, never verified."""
+        input, written to `column` (every k + 1-th element: a verify input of a step of k drafts) and returned.
+        Rows not `live` (0) skip the head where it is the register GEMV (one-sequence graphs); their drafts are 0,
+        never verified."""
         rows = head_in.shape[0]
         keys = self.kernels.argmax_keys(self.kernels.linear(head_in, self.head, live=live))
         tokens = self.tokens[:rows]
-        _draft_token_kernel[(rows,)](keys, live, tokens, column, self.k + 1, CHUNKS=keys.shape[1], **self.kernels._pdl)
+        _draft_token_kernel[(rows,)](keys, live, tokens, column, k + 1, CHUNKS=keys.shape[1], **self.kernels._pdl)
         return tokens
 
     def _meta(self, slots, ctx, tables) -> AttentionMetadata:

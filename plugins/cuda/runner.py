@@ -49,6 +49,11 @@ MAX_DECODE_STEPS = 16
 SPLIT_MIN_PROGRAMS = 256
 # Device verify steps per round trip in a spec chunk (each yields 1 to K + 1 tokens).
 SPEC_CHUNK_STEPS = 8
+# Drafts a verify step takes in a probe, the kind chooser's retry of spec chunks while decode chunks lead: probes
+# run a graph of PROBE_DRAFTS + 1 verify rows a sequence, the cheapest round of any K (K = 3's verify step costs
+# 1.77 decode steps, K = 1's 1.30 on an H100), which breaks even at a lower acceptance than more drafts would, so a
+# text that turned draftable still wins its probe, and the full-width graph takes over from the next chunk.
+PROBE_DRAFTS = 1
 # Spec chunks run only while they deliver tokens faster than plain decode chunks, both measured here per batch
 # size: tokens the engine took from a round trip's look-ahead over the wall time until the next round trip (the
 # host's share included; rounds with a graph capture excluded). What a verify step costs against a decode step
@@ -145,7 +150,8 @@ class CudaGraphRunner(ModelRunner):
         self.use_graphs = profile.cuda_graphs
         self.verify_len = 1 + profile.spec_tokens if profile.spec != "none" else 0  # query rows a sequence
         self.buckets = graph_buckets(profile.graph_batch_sizes, profile.max_num_seqs)
-        self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}  # (bucket, greedy, step kind)
+        # (bucket, greedy, step kind): "decode", "spec" (verify_len rows a sequence) or "probe" (_verify_rows)
+        self.graphs: dict[tuple[int, bool, str], torch.cuda.CUDAGraph] = {}
         self._ahead: _Lookahead | None = None
         # The chunk queued after _ahead's: ("decode", (graph, steps)) or ("spec", (graph key, steps)).
         self._in_flight: tuple[str, tuple] | None = None
@@ -162,7 +168,7 @@ class CudaGraphRunner(ModelRunner):
         self.lookahead_tokens = max(2 * MAX_DECODE_STEPS, spec_ahead) if self.use_graphs else 0
         self.chunk_rates: dict[int, dict[str, float]] = {}  # batch size: kind: tokens per second, smoothed
         self.verify_step_rates: dict[int, float] = {}  # batch size: verify steps a second when spec's rate was set
-        self._round: tuple[str, float, int] | None = None  # the look-ahead's kind, start time, captures so far
+        self._round: tuple[str, float, int] | None = None  # the look-ahead's graph kind, start time, captures so far
         self.retry_wait, self.retry_next = 0, SPEC_RETRY
         self.spec_winning: bool | None = None  # which kind the rates favoured when last asked (None: not yet)
         self.probe_left, self.probe_spec = 0, False  # a retry's second round, and its kind
@@ -309,11 +315,12 @@ class CudaGraphRunner(ModelRunner):
         kind, queued = self._in_flight
         self._in_flight = None
         self._close_round()
-        self._round = (kind, time.perf_counter(), self.graph_captures)
         if kind == "spec":
             key, steps = queued
+            self._round = (key[2], time.perf_counter(), self.graph_captures)
             return self._read_spec(batch, key, steps, [i.seq.num_computed + 1 for i in batch])
         graph, steps = queued
+        self._round = (kind, time.perf_counter(), self.graph_captures)
         return self._read_chunk(batch, graph, steps)
 
     def _from_lookahead(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -389,9 +396,13 @@ class CudaGraphRunner(ModelRunner):
         if (bucket, greedy, "decode") not in self.graphs:
             self._fill_inputs(batch, bucket)
             self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
-        if self._spec_possible(batch) and (bucket, greedy, "spec") not in self.graphs:
-            self._fill_spec(batch, bucket)
-            self._capture((bucket, greedy, "spec"), lambda: self._spec_body(bucket, greedy), self.verify_len)
+        if not self._spec_possible(batch):
+            return
+        for kind in dict.fromkeys(("spec", self._probe_kind())):
+            if (bucket, greedy, kind) not in self.graphs:
+                q = self._verify_rows(kind)
+                self._fill_spec(batch, bucket, q)
+                self._capture((bucket, greedy, kind), lambda q=q: self._spec_body(bucket, greedy, q), q)
 
     def _batch_invariant_kernels(self) -> None:
         """Profile batch_invariant: one route for every row count, eager steps and graphs alike, so a row's numbers
@@ -545,13 +556,14 @@ class CudaGraphRunner(ModelRunner):
             for seq, start, column in zip(ahead.seqs, ahead.start_positions, ahead.tokens)
         )
         if taken:
-            rates, kind = self.rates_of(len(ahead.seqs)), round_[0]
+            rates, graph = self.rates_of(len(ahead.seqs)), round_[0]
+            kind = "decode" if graph == "decode" else "spec"  # a probe's round counts for spec
             rate, old = taken / (time.perf_counter() - round_[1]), rates[kind]
             faster_decode = kind == "decode" and rate > old
             rates[kind] = old + RATE_SMOOTHING * (rate - old) if old and not faster_decode else rate
-            if kind == "spec":  # over the tokens a step gave: verify steps a second, which the text hardly moves
+            if graph == "spec":  # over the tokens a step gave: verify steps a second, which the text hardly moves
                 self.verify_step_rates[len(ahead.seqs)] = rates["spec"] / self.spec_step_yield
-            elif 0 < rates["spec"] < rates["decode"] and self._estimates_spec(ahead):
+            elif graph == "decode" and 0 < rates["spec"] < rates["decode"] and self._estimates_spec(ahead):
                 estimate = self._spec_estimate(ahead)
                 if estimate > SPEC_ESTIMATE_MARGIN * rates["decode"]:
                     rates["spec"] = estimate
@@ -571,16 +583,27 @@ class CudaGraphRunner(ModelRunner):
         ]
         return self.verify_step_rates.get(len(ahead.seqs), 0.0) * float(np.mean(yields)) if yields else 0.0
 
+    def _probe_kind(self) -> str:
+        """The graph a probe runs: "probe" where the spec graph is wider than PROBE_DRAFTS drafts."""
+        return "probe" if self.verify_len > PROBE_DRAFTS + 1 else "spec"
+
+    def _spec_kind(self) -> str:
+        """The graph the next spec chunk runs: a probe's while decode chunks lead, else the full-width one."""
+        return self._probe_kind() if self.spec_winning is False else "spec"
+
+    def _verify_rows(self, kind: str) -> int:
+        return PROBE_DRAFTS + 1 if kind == "probe" else self.verify_len
+
     def _spec_chunk(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Up to SPEC_CHUNK_STEPS device verify steps, then the rows this batch asks for, off the look-ahead."""
         # Work the drafter owes the decode chunks before (MTP's catch-up) is the switch's cost, not spec's rate.
         self.device_drafter.before_spec(batch)
-        self._round = ("spec", time.perf_counter(), self.graph_captures)
         bucket = next(b for b in self.buckets if b >= len(batch))
         greedy = all(item.seq.params.temperature == 0 for item in batch)
-        key = (bucket, greedy, "spec")
+        key = (bucket, greedy, self._spec_kind())
+        self._round = (key[2], time.perf_counter(), self.graph_captures)
         self._ensure_graphs(batch, bucket, greedy)
-        starts = self._fill_spec(batch, bucket)
+        starts = self._fill_spec(batch, bucket, self._verify_rows(key[2]))
         steps = self._spec_steps(batch)
         self._replay_spec(key, steps)
         return self._read_spec(batch, key, steps, starts)
@@ -604,13 +627,16 @@ class CudaGraphRunner(ModelRunner):
         """The replayed spec chunk's tokens (history from `starts` on) become the look-ahead; the next spec chunk is
         queued behind their copy when the chooser wants one (it continues from the device's history)."""
         bucket = key[0]
-        end = min(max(starts) + steps * self.verify_len, self.host_hist.shape[1])
+        end = min(max(starts) + steps * self._verify_rows(key[2]), self.host_hist.shape[1])
         self.host_spec[0, :bucket].copy_(self.dev_spec[0, :bucket], non_blocking=True)
         self.host_spec_stats[:bucket].copy_(self.dev_spec_stats[:bucket], non_blocking=True)
 
         def queue_next():
             following = self._spec_steps(batch, ahead=steps * self.spec_step_yield)
-            if following and self._spec_chunk_wanted(batch):
+            spec = following > 0 and self._spec_chunk_wanted(batch)
+            if spec and key[2] != self._spec_kind():
+                self._next_kind = "spec"  # a chunk of the other width: its inputs laid out afresh
+            elif spec:
                 self.dev_spec_stats[:bucket].zero_()  # each chunk's counters are read once
                 self._grant_slots(batch)
                 self._replay_spec(key, following)
@@ -639,7 +665,7 @@ class CudaGraphRunner(ModelRunner):
         for j, item in enumerate(batch):
             max_pos[j] = self._last_writable(item.seq)
         self.dev_spec[2, : len(batch)].copy_(self.host_spec[2, : len(batch)], non_blocking=True)
-        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
 
     def _last_writable(self, seq: Sequence) -> int:
@@ -647,10 +673,10 @@ class CudaGraphRunner(ModelRunner):
         worth) allocated past the tokens it has taken, from free blocks only."""
         return min(len(seq.block_table) * self.block_size, seq.num_computed + 1 + self.lookahead_tokens) - 1
 
-    def _fill_spec(self, batch: list[ScheduledSeq], bucket: int) -> list[int]:
-        """Each sequence's history, limits and sampling settings into the chunk's buffers; returns the history
-        lengths (the look-ahead starts after them)."""
-        q = self.verify_len
+    def _fill_spec(self, batch: list[ScheduledSeq], bucket: int, q: int | None = None) -> list[int]:
+        """Each sequence's history, limits and sampling settings into the buffers of a chunk of q verify rows a
+        sequence (verify_len unless given); returns the history lengths (the look-ahead starts after them)."""
+        q = q or self.verify_len
         hist, state = self.host_hist.numpy(), self.host_spec.numpy()
         ints, floats = self.host_verify_ints.numpy(), self.host_verify_floats.numpy()
         state[:, :bucket] = 0  # idle rows: an empty history takes no step
@@ -675,7 +701,7 @@ class CudaGraphRunner(ModelRunner):
         self.dev_spec_stats[:bucket].zero_()
         self.dev_verify_ints[4, : bucket * q].copy_(self.host_verify_ints[4, : bucket * q], non_blocking=True)
         self.dev_verify_floats[:, : bucket * q].copy_(self.host_verify_floats[:, : bucket * q], non_blocking=True)
-        self.device_drafter.before_chunk(batch, probe=self.spec_winning is False)
+        self.device_drafter.before_chunk(batch)
         self._upload_tables(batch)
         return starts
 
@@ -687,9 +713,10 @@ class CudaGraphRunner(ModelRunner):
         host[row] = -1
         host[row, : len(stops)] = stops
 
-    def _spec_body(self, rows: int, greedy: bool) -> None:
-        """One device verify step of a spec chunk: draft, verify K + 1 rows a sequence (as decode rows), accept."""
-        k, q = self.kernels, self.verify_len
+    def _spec_body(self, rows: int, greedy: bool, q: int | None = None) -> None:
+        """One device verify step of a spec chunk: draft, verify q = K + 1 rows a sequence (verify_len unless given;
+        as decode rows), accept. The drafter reads K off the rows' layout."""
+        k, q = self.kernels, q or self.verify_len
         t = rows * q
         ids, positions, slots, seeds, top_k = (self.dev_verify_ints[i, :t] for i in range(len(_VERIFY_INT_FIELDS)))
         ntok, cap, max_pos, request_seed = (self.dev_spec[i, :rows] for i in range(len(_SPEC_FIELDS)))
