@@ -19,7 +19,7 @@ from flashnext.core.engine.sequence import SamplingParams, Sequence  # noqa: E40
 from flashnext.core.metrics import ServerMetrics  # noqa: E402
 from flashnext.core.precision import Fp8Weight  # noqa: E402
 from flashnext.plugins.cuda import CudaBackend  # noqa: E402
-from flashnext.plugins.cuda.mtp_graphs import MtpTracker, draft_head  # noqa: E402
+from flashnext.plugins.cuda.mtp_graphs import WARM_CATCH_UP_ROWS, MtpTracker, draft_head  # noqa: E402
 from flashnext.plugins.cuda.runner import CudaGraphRunner  # noqa: E402
 from test_cuda_spec import CpuCuda, run_graphs_eagerly  # noqa: E402
 
@@ -231,6 +231,22 @@ def test_a_request_keeps_its_acceptance_through_chunks_it_is_not_in(tiny_random,
     drafter.before_chunk([failing, fine])
     assert drafter.limit[:2].tolist() == [0, 3]
     assert isinstance(failing.seq.spec_tracker, MtpTracker) and failing.seq.spec_tracker.pause_left > 0
+
+
+def test_the_catch_up_warm_up_writes_nothing(tiny_random, mtp_engine):
+    """The eager catch-up run once at several row counts when the spec graphs are first captured (its kernels' first
+    uses out of the requests' way) leaves the module's cache and states as they were."""
+    engine = mtp_engine(with_mtp_module(tiny_random), spec="mtp", spec_tokens=2)
+    drafter = engine.runner.device_drafter
+    for tensor in (*drafter.caches, drafter.states):
+        tensor.normal_()
+    before = [t.clone() for t in (*drafter.caches, drafter.states)]
+    ran = []
+    forward = drafter._forward
+    drafter._forward = lambda ids, *args: ran.append(ids.shape[0]) or forward(ids, *args)
+    drafter.warm_up()
+    assert ran == [n for n in WARM_CATCH_UP_ROWS if n <= 256]  # max_model_len 256
+    assert all(torch.equal(a, b) for a, b in zip(before, (*drafter.caches, drafter.states)))
 
 
 def test_the_fp8_draft_head_is_a_copy_of_a_16_bit_head_only(tiny_random):

@@ -208,6 +208,10 @@ class DeviceVerifier:
         drafts, drafted, accepted = (int(x) for x in self.totals[1:SPEC_STAT_FIELDS])
         return SpecStats(drafts, drafted, accepted, self.totals[SPEC_STAT_FIELDS:].tolist())
 
+    def warm_up(self) -> None:
+        """The first spec graphs were captured: eager work of its own a drafter runs once, before any request
+        meets it."""
+
     def before_spec(self, batch) -> None:
         """Spec chunks for `batch` follow other kinds of step."""
 

@@ -33,6 +33,11 @@ from .forward import live_rows
 from .kernels import CudaKernels
 from .primitives import _after_producer, _pow2
 
+# Row counts the eager catch-up runs at once, when a bucket's spec graphs are captured: the routes and compiled
+# variants of its kernels (GEMV, skinny GEMM, cuBLAS; attention tiles) at the sizes a retry's catch-up meets (decode
+# chunks of 16 positions, waits of 8 to 128 chunks), so no request pays their first use.
+WARM_CATCH_UP_ROWS = (1, 4, 16, 63, 128, 255, 512, 1023, 2048)
+
 
 @triton.jit
 def _mtp_plan_kernel(
@@ -374,6 +379,16 @@ class DeviceMtpDrafter(DeviceVerifier):
         if spans:
             ids, positions, meta = self._eager_rows(spans)
             self._catch_up(ids, self.states[meta.slot_mapping], positions, meta)
+
+    def warm_up(self) -> None:
+        """The eager catch-up once at each of WARM_CATCH_UP_ROWS rows (those that fit the cache), writing nothing:
+        no KV slot, no state slot."""
+        blocks = min(self.caches[0].shape[0], -(-self.max_context // self.block_size))
+        table, dev = list(range(blocks)), self.model.device
+        for n in (n for n in WARM_CATCH_UP_ROWS if n <= blocks * self.block_size):
+            meta = AttentionMetadata.from_host([-1] * n, [n], [n], [table], dev)
+            ids, positions = torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev)
+            self._catch_up(ids, self.states[:n], positions, meta)
 
     # --- inside a captured verify step ----------------------------------------------------------------------
     def draft(self, state, verify, tables: torch.Tensor, block_size: int) -> None:

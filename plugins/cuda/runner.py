@@ -398,6 +398,10 @@ class CudaGraphRunner(ModelRunner):
             self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
         if not self._spec_possible(batch):
             return
+        if self.pool is not None and not any(key[2] == "spec" for key in self.graphs):  # on a GPU: first uses
+            started = time.perf_counter()
+            self.device_drafter.warm_up()
+            self.warm_up_s += time.perf_counter() - started
         for kind in dict.fromkeys(("spec", self._probe_kind())):
             if (bucket, greedy, kind) not in self.graphs:
                 q = self._verify_rows(kind)
