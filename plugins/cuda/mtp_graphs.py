@@ -33,10 +33,12 @@ from .forward import live_rows
 from .kernels import CudaKernels
 from .primitives import _after_producer, _pow2
 
-# Row counts the eager catch-up runs at once, when a bucket's spec graphs are captured: the routes and compiled
-# variants of its kernels (GEMV, skinny GEMM, cuBLAS; attention tiles) at the sizes a retry's catch-up meets (decode
-# chunks of 16 positions, waits of 8 to 128 chunks), so no request pays their first use.
-WARM_CATCH_UP_ROWS = (1, 4, 16, 63, 128, 255, 512, 1023, 2048)
+# Row counts the eager catch-up runs at once, when a bucket's spec graphs are captured, so no request pays their
+# kernels' first use (4-17 ms each, a compile 0.5 s; docs/benchmarks.md): one of each compiled variant of the
+# projections' routes (the GEMV unrolls 1 to 4 rows; the skinny GEMM's 16-row tiles to 16 rows, 64-row ones to 64,
+# each for counts that are and are not multiples of 16) and cuBLAS at the sizes a retry's catch-up meets (decode
+# chunks of 16 positions, waits of 8 to 128 chunks). Other counts above 64 still pay cuBLAS's first call.
+WARM_CATCH_UP_ROWS = (1, 2, 3, 4, 15, 16, 32, 63, 128, 255, 512, 1023, 2048)
 
 
 @triton.jit
