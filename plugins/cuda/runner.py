@@ -398,15 +398,18 @@ class CudaGraphRunner(ModelRunner):
             self._capture((bucket, greedy, "decode"), lambda: self._decode_body(bucket, greedy), 1)
         if not self._spec_possible(batch):
             return
-        if self.pool is not None and not any(key[2] == "spec" for key in self.graphs):  # on a GPU: first uses
+        missing = [
+            kind for kind in dict.fromkeys(("spec", self._probe_kind())) if (bucket, greedy, kind) not in self.graphs
+        ]
+        # Before a GPU runner's first spec capture: the drafter's eager first uses, out of the requests' way.
+        if missing and self.pool is not None and not any(key[2] == "spec" for key in self.graphs):
             started = time.perf_counter()
             self.device_drafter.warm_up()
             self.warm_up_s += time.perf_counter() - started
-        for kind in dict.fromkeys(("spec", self._probe_kind())):
-            if (bucket, greedy, kind) not in self.graphs:
-                q = self._verify_rows(kind)
-                self._fill_spec(batch, bucket, q)
-                self._capture((bucket, greedy, kind), lambda q=q: self._spec_body(bucket, greedy, q), q)
+        for kind in missing:
+            q = self._verify_rows(kind)
+            self._fill_spec(batch, bucket, q)
+            self._capture((bucket, greedy, kind), lambda q=q: self._spec_body(bucket, greedy, q), q)
 
     def _batch_invariant_kernels(self) -> None:
         """Profile batch_invariant: one route for every row count, eager steps and graphs alike, so a row's numbers
