@@ -131,14 +131,14 @@ def backends(
 
 def _read_prompt(prompt: str | None) -> str:
     """The prompt, checked before any model loads."""
-    from .errors import UserError
+    from .errors import EMPTY_PROMPT, UserError
 
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None:
         raise UserError("no prompt: pass it as an argument or on stdin")
     if not prompt.strip():
-        raise UserError("the prompt is empty: give some text")
+        raise UserError(EMPTY_PROMPT)
     return prompt
 
 

@@ -11,3 +11,7 @@ class UserError(FlashnextError):
     """Bad input or usage: the message names the file, field or value and says what to do."""
 
     exit_code = 2
+
+
+# One wording wherever a blank prompt is refused (CLI, Python API, engine, server).
+EMPTY_PROMPT = "the prompt is empty: give some text"

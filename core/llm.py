@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from . import parallel, progress, registry
 from .engine.engine import LLMEngine
 from .engine.sequence import SamplingParams, Sequence
-from .errors import UserError
+from .errors import EMPTY_PROMPT, UserError
 from .loader import LoadedModel
 from .profile import Profile, env_overrides
 from .threads import ThreadChoice, apply_threads, choose_threads
@@ -139,7 +139,7 @@ class LLM:
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not prompt.strip():
-            raise UserError("the prompt is empty: give some text")
+            raise UserError(EMPTY_PROMPT)
         if chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(text, add_special_tokens=False)

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, NotReady, Overloaded, RequestFailed, RequestStream
 from .engine.sequence import SamplingParams
-from .errors import FlashnextError, UserError
+from .errors import EMPTY_PROMPT, FlashnextError, UserError
 from .http_protocol import HeaderTimeoutProtocol
 from .metrics import ServerMetrics, spec_path
 
@@ -272,7 +272,7 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ApiError(400, "the prompt is empty: give some text", param="prompt")
+                raise ApiError(400, EMPTY_PROMPT, param="prompt")
             return self.tokenizer.encode(prompt)
         if not prompt:
             raise ApiError(400, "the prompt is empty: give some token ids", param="prompt")

@@ -38,17 +38,15 @@ def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def engine_outputs(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(final hidden states, logits) of every prompt position as engine_logits computes them."""
-    engine = llm.engine
-    seq = engine.add_request(ids, SamplingParams(max_tokens=1))
     states, chunks = [], []
-    with torch.inference_mode():
-        while seq.finish_reason is None:
-            batch = engine.scheduler.schedule()
-            inputs = engine.runner.prepare(batch)
-            states.append(engine.runner.forward(inputs))
-            logits = engine.model.compute_logits(states[-1])
-            chunks.append(logits)
-            engine._postprocess(batch, logits[inputs.logit_rows].argmax(-1).tolist())
+
+    def forward(batch) -> list[int]:
+        inputs = llm.engine.runner.prepare(batch)
+        states.append(llm.engine.runner.forward(inputs))
+        chunks.append(llm.engine.model.compute_logits(states[-1]))
+        return chunks[-1][inputs.logit_rows].argmax(-1).tolist()
+
+    _each_prompt_chunk(llm, ids, forward)
     return torch.cat(states), torch.cat(chunks)
 
 
@@ -56,17 +54,26 @@ def served_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] float32 logits of every prompt position through `runner.step`, the path a served request's
     steps take (for the CPU's int4 default, the onnxruntime graph rather than the torch forward), prefill chunks
     included."""
+    chunks = []
+
+    def step(batch) -> list[int]:
+        every_row = [ScheduledSeq(item.seq, item.num_tokens, item.num_tokens) for item in batch]
+        chunks.append(llm.engine.runner.step(StepInput(every_row, False)).logits.float())
+        return [int(chunks[-1][-1].argmax())] if batch[-1].num_logits else []
+
+    _each_prompt_chunk(llm, ids, step)
+    return torch.cat(chunks)
+
+
+def _each_prompt_chunk(llm: LLM, ids: list[int], run_chunk) -> None:
+    """A one-token request's prompt, scheduled chunk by chunk: `run_chunk(batch)` computes a chunk and returns the
+    tokens it samples, which the engine records as its own steps would."""
     engine = llm.engine
     seq = engine.add_request(ids, SamplingParams(max_tokens=1))
-    chunks = []
     with torch.inference_mode():
         while seq.finish_reason is None:
             batch = engine.scheduler.schedule()
-            every_row = [ScheduledSeq(item.seq, item.num_tokens, item.num_tokens) for item in batch]
-            logits = engine.runner.step(StepInput(every_row, False)).logits
-            chunks.append(logits.float())
-            engine._postprocess(batch, [int(logits[-1].argmax())] if batch[-1].num_logits else [])
-    return torch.cat(chunks)
+            engine._postprocess(batch, run_chunk(batch))
 
 
 def step_logits(engine, prompts: list[list[int]], steps: int, forced=None) -> list[torch.Tensor]:

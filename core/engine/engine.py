@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..backend import Backend
-from ..errors import UserError
+from ..errors import EMPTY_PROMPT, UserError
 from ..loader import LoadedModel
 from ..model import prefill_token_bytes, weight_bytes
 from ..precision import PRECISIONS
@@ -176,7 +176,7 @@ class LLMEngine:
         spec_enabled: bool = True,
     ) -> Sequence:
         if not prompt_ids:
-            raise UserError("the prompt is empty: give some text")
+            raise UserError(EMPTY_PROMPT)
         if len(prompt_ids) >= self.max_model_len:
             raise UserError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len};"
