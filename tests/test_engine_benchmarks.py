@@ -7,6 +7,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,3 +262,26 @@ def test_bench_int4_routes_names_the_route_each_projection_takes(monkeypatch):
     assert bench.route(kernels, torch.zeros(64, 9728, dtype=torch.bfloat16), down) == "pass + bf16"
     if not torch.cuda.is_available():
         assert bench.main(["--shapes", "qwen3-4b"]) == 2  # a clear line, no traceback
+
+
+def test_bench_cpu_offset_terms_layouts_compute_the_same_projections():
+    """The offset-term benchmark times equal work: its exact layouts give one chain's outputs, which a float64
+    recomputation from the same codes, scales and offsets matches; the timing-only integer zero points differ."""
+    pytest.importorskip("onnxruntime")
+    spec = importlib.util.spec_from_file_location("bench_offsets", BENCH / "bench_cpu_offset_terms.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = np.random.default_rng(3).standard_normal((1, 576)).astype(np.float32)
+    out = {lay: bench.session(lay, 1, 1, layers=1).run(None, {"x": x})[0] for lay in bench.LAYOUTS}
+    rng, h = np.random.default_rng(0), x.astype(np.float64)
+    for k, n in bench.WIDTHS:  # the chain's draws in its order: codes, scales, offsets a projection
+        groups = k // bench.GROUP
+        codes = rng.integers(0, 256, (n, groups, bench.GROUP // 2), dtype=np.uint8)
+        scales = (rng.random(n * groups, dtype=np.float32) * 0.01 + 0.001).reshape(n, groups, 1)
+        offsets = (rng.random((n, groups), dtype=np.float32) - 0.5) * 0.01
+        q = np.stack([codes & 15, codes >> 4], axis=-1).reshape(n, groups, bench.GROUP)  # low nibble first
+        w = (q.astype(np.float64) - 8) * scales + offsets[..., None]
+        h = h @ w.reshape(n, k).T
+    for layout in ("matmul-gemm", "reduce-gemm", "rows-split"):
+        assert np.allclose(out[layout], h, rtol=1e-3, atol=1e-3 * np.abs(h).max()), layout
+    assert not np.allclose(out["none"], h, rtol=1e-3, atol=1e-3 * np.abs(h).max())
