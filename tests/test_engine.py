@@ -78,7 +78,8 @@ def assert_same_logits(got: torch.Tensor, want: torch.Tensor):
     assert got.shape == want.shape
     nmse = ((got - want).pow(2).mean() / want.pow(2).mean()).item()
     assert nmse <= 1e-10, nmse
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fp32 GEMMs sum in an order that follows the row count (chunks are shorter): 1e-5 of the largest logit.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
 
 
 def greedy(engine: LLMEngine, batch: list[list[int]], max_tokens=12, **params) -> list[list[int]]:

@@ -1,5 +1,7 @@
 """CPU kernels: the reference, with the hot ops routed to PyTorch's fused CPU paths."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -16,9 +18,9 @@ INVARIANT_TILE_ROWS = 16
 
 class CpuKernels(ReferenceKernels):
     """batch_invariant: each row's result is the same whatever other rows share the call. Linear layers take one path
-    for any row count (torch's fp16 CPU GEMM reduces each row alone; fp32 GEMMs run in fixed tiles of rows) and every
-    prompt position attends as a decode step would (one query over its own context), so chunking a prompt differently
-    changes nothing either."""
+    for any row count (torch's own fp16 CPU GEMM reduces each row alone; fp32 GEMMs run in fixed tiles of rows) and
+    every prompt position attends as a decode step would (one query over its own context), so chunking a prompt
+    differently changes nothing either."""
 
     def __init__(self, batch_invariant: bool = False):
         self.batch_invariant = batch_invariant
@@ -64,16 +66,27 @@ class CpuKernels(ReferenceKernels):
         # fp16 holds only ±65504: each row runs scaled to unit max, so large activations neither overflow nor lose
         # bits, and `bounded` guarantees the products of unit rows stay inside the range.
         row_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-        out = F.linear((x / row_scale).to(dense.dtype), dense).to(x.dtype) * row_scale
+        with self._row_independent():
+            out = F.linear((x / row_scale).to(dense.dtype), dense).to(x.dtype) * row_scale
         return out if bias is None else out + bias.to(x.dtype)
 
     def _gemm(self, x, w, bias):
-        if not self.batch_invariant or x.dtype != torch.float32:
+        if not self.batch_invariant:
             return F.linear(x, w, bias)
+        if x.dtype != torch.float32:
+            with self._row_independent():
+                return F.linear(x, w, bias)
         rows = x.shape[0]
         padded = torch.cat((x, x.new_zeros(-rows % INVARIANT_TILE_ROWS, x.shape[1])))
         tiles = [F.linear(tile, w, bias) for tile in padded.split(INVARIANT_TILE_ROWS)]
         return torch.cat(tiles)[:rows]
+
+    def _row_independent(self):
+        """Where batch_invariant: half-precision GEMMs through torch's own CPU kernel, which reduces each row alone.
+        oneDNN's, which torch picks on CPUs with fp16 or AMX instructions, blocks rows by their count."""
+        if not self.batch_invariant:
+            return contextlib.nullcontext()
+        return torch.backends.mkldnn.flags(enabled=False, deterministic=None, allow_tf32=None, fp32_precision=None)
 
     def _dense(self, w) -> tuple[torch.Tensor, bool]:
         entry = self._expanded.get(id(w))
