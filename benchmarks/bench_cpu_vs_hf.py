@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,7 @@ def flashnext_runner(model, spec: str, max_len: int):
 def llamacpp_runner(gguf: Path, max_len: int):
     import llama_cpp
 
+    check_llamacpp_decodes(gguf)
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(
         model_path=str(gguf), n_ctx=max_len, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
@@ -158,6 +160,30 @@ def llamacpp_runner(gguf: Path, max_len: int):
         return start, times, out
 
     return run
+
+
+# Two greedy tokens in a child process: a llama.cpp build that dies on this CPU dies there, not in the benchmark.
+LLAMACPP_SMOKE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+for i, _ in enumerate(llm.generate([100, 101, 102], top_k=1, temp=0.0)):
+    if i == 1:
+        break
+"""
+
+
+def check_llamacpp_decodes(gguf: Path, script: str = LLAMACPP_SMOKE) -> None:
+    """One clear line instead of the benchmark's death when llama.cpp crashes here (llama-cpp-python 0.3.36 built
+    with `GGML_NATIVE` on an Intel VM with AMX died at its first decode)."""
+    done = subprocess.run([sys.executable, "-c", script, str(gguf)], capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return
+    how = f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit code {done.returncode}"
+    raise SystemExit(
+        f"llama.cpp (llama-cpp-python {_version('llama-cpp-python')}) died decoding two tokens of {gguf.name} ({how});"
+        " rebuild it without the instruction set it fails on (docs/benchmarks.md: the build without AMX) or leave"
+        " llama.cpp out of --engines"
+    )
 
 
 def transformers_runner(loaded, folder: Path):

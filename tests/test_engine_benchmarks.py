@@ -285,3 +285,17 @@ def test_bench_cpu_offset_terms_layouts_compute_the_same_projections():
     for layout in ("matmul-gemm", "reduce-gemm", "rows-split"):
         assert np.allclose(out[layout], h, rtol=1e-3, atol=1e-3 * np.abs(h).max()), layout
     assert not np.allclose(out["none"], h, rtol=1e-3, atol=1e-3 * np.abs(h).max())
+
+
+def test_bench_cpu_vs_hf_names_a_llamacpp_that_dies_instead_of_dying_with_it(tmp_path):
+    """A llama.cpp build that crashes on this CPU ends the comparison with one line naming the signal and the way
+    out; one that decodes passes the check."""
+    spec = importlib.util.spec_from_file_location("bench_vs", BENCH / "bench_cpu_vs_hf.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    gguf = tmp_path / "model.gguf"
+    with pytest.raises(SystemExit, match=r"died decoding two tokens of model\.gguf \(signal SIGSEGV\).*--engines"):
+        bench.check_llamacpp_decodes(gguf, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(SystemExit, match=r"\(exit code 3\)"):
+        bench.check_llamacpp_decodes(gguf, "raise SystemExit(3)")
+    bench.check_llamacpp_decodes(gguf, "import sys; assert sys.argv[1].endswith('model.gguf')")
