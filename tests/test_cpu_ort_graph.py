@@ -1,5 +1,9 @@
 """Int4 decode steps through the onnxruntime graph against the torch path: numerics, batches, threads, the switch."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -368,3 +372,40 @@ def test_the_pools_spin_setting_reaches_the_session(q4_1_llama, spin_us, allowed
             options.get_session_config_entry("session.intra_op.spin_duration_us")
     else:
         assert options.get_session_config_entry("session.intra_op.spin_duration_us") == duration
+
+
+RETAINED_HEAP = """
+import numpy as np
+from flashnext.plugins.cpu.runner import release_freed_heap
+
+def rss_mib():
+    status = open("/proc/self/status").read().splitlines()
+    return int(next(li for li in status if li.startswith("VmRSS:")).split()[1]) / 1024
+
+blocks = [np.ones(1 << 20, np.uint8) for _ in range(200)]  # 200 MiB on the heap (the env keeps them off mmap)
+keep = np.ones(1 << 10, np.uint8)  # above them, so freeing them leaves a hole glibc keeps
+del blocks
+before = rss_mib()
+print(release_freed_heap(), before - rss_mib())
+"""
+
+
+def test_the_heap_the_graph_build_freed_goes_back_to_the_system():
+    """glibc keeps large freed blocks for reuse; release_freed_heap (run after the graph build) returns them."""
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+    done = subprocess.run([sys.executable, "-c", RETAINED_HEAP], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    released, freed_mib = done.stdout.split()
+    if released == "False":
+        pytest.skip("the C library is not glibc: no malloc_trim")
+    assert freed_mib and float(freed_mib) > 150
+
+
+def test_building_the_graph_releases_the_freed_heap(q4_1_llama, monkeypatch):
+    from flashnext.plugins.cpu import runner
+
+    calls = []
+    monkeypatch.setattr(runner, "release_freed_heap", lambda: calls.append(True))
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    step_logits(engine, [[5, 6, 7]], 1)
+    assert calls == [True]  # once, when the graph was built: not every step

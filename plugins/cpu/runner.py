@@ -1,5 +1,6 @@
 """The CPU runner: int4 steps through one onnxruntime graph where the model allows it, else the torch forward."""
 
+import ctypes
 import time
 
 import torch
@@ -67,8 +68,21 @@ class CpuRunner(ModelRunner):
             start = time.perf_counter()
             activations = ROUTE_ACTIVATIONS[self.route]
             self.graph = ort_graph.OrtModel(self.model, torch.get_num_threads(), activations, self.pool_spin_us)
+            release_freed_heap()
             self.warm_up_s += time.perf_counter() - start
         return self.graph
+
+
+def release_freed_heap() -> bool:
+    """Hands the heap's free pages back to the system (False where the C library is not glibc). glibc keeps what
+    large temporaries freed for reuse; after the graph build (the LM head's codes made in chunks, onnxruntime's
+    prepacking) that is ~50 MiB on SmolLM2 that nothing later reuses (docs/benchmarks.md)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # no malloc_trim, or no process-wide symbol lookup (Windows)
+        return False
+    trim(0)
+    return True
 
 
 def pieces(batch) -> list[ort_graph.Piece]:
