@@ -14,7 +14,7 @@ zero points. The codes run with zero point 8, exactly symmetric weights (offset 
 beyond that is a dense product of each group's column sum: sum_g (offset_g + 8 * scale_g) * sum(x_g).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -194,15 +194,15 @@ class OrtModel:
         options.add_external_initializers(list(self.weights), self._values)
         self.head_rows = np.ascontiguousarray(head_weight(model).numpy())  # bound by address (copied only if strided)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-        self.layers, self.vocab = cfg.num_layers, cfg.vocab_size
+        self.layers, self.vocab, self.hidden_size = cfg.num_layers, cfg.vocab_size, cfg.hidden_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.rope_outside = cfg.qk_norm  # the graph's own rope op then takes the positions
         # One binding for the step's one-token rows, one for a longer piece: each binds the cache rows again only
-        # when its rows or the buffers changed.
-        self.bindings = {kind: [self.session.io_binding(), None] for kind in ("group", "one")}
+        # when its rows or the buffers changed, and its inputs and output only when their shapes did.
+        self.bindings = {kind: Bound(self.session.io_binding()) for kind in ("group", "one")}
         head = self.head_rows
-        for binding, _ in self.bindings.values():  # the head's rows stay where they are: bound once
-            binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
+        for bound in self.bindings.values():  # the head's rows stay where they are: bound once
+            bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
 
     def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
@@ -225,47 +225,70 @@ class OrtModel:
         tokens)."""
         n, tokens = len(pieces), pieces[0].tokens
         self.rows.reserve(first_row + n, max(p.past + p.tokens for p in pieces))
-        token_rows = torch.cat([torch.arange(p.first, p.first + p.tokens) for p in pieces])
         # Each piece's last `logits` rows (at least one, so no call asks for none; the extra row is dropped).
         wanted = [r for i, p in enumerate(pieces) for r in range((i + 1) * tokens - max(p.logits, 1), (i + 1) * tokens)]
         for i, p in enumerate(pieces):
             self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
-        inputs = {
-            "hidden": hidden[token_rows].contiguous().numpy(),
-            "batch_shape": np.array([n, tokens, -1]),
-            "seqlens": np.array([p.past + tokens - 1 for p in pieces], dtype=np.int32),
-            "total": np.array(max(p.past for p in pieces) + tokens, dtype=np.int32),
-            "logit_rows": np.array(wanted),
-        }
+        bound = self._bound(kind, first_row, n, tokens, len(wanted))
+        token_rows = torch.cat([torch.arange(p.first, p.first + p.tokens) for p in pieces])
+        torch.index_select(hidden, 0, token_rows, out=torch.from_numpy(bound.inputs["hidden"]))
+        bound.inputs["batch_shape"][:] = (n, tokens, -1)
+        bound.inputs["seqlens"][:] = [p.past + tokens - 1 for p in pieces]
+        bound.inputs["total"][...] = max(p.past for p in pieces) + tokens
+        bound.inputs["logit_rows"][:] = wanted
         if self.rope_outside:
-            inputs["positions"] = np.concatenate([np.arange(p.past, p.past + tokens) for p in pieces]).reshape(-1, 1)
-        out = torch.empty(len(wanted), self.vocab)
-        binding = self._bound(kind, first_row, n)
-        for name, a in inputs.items():
-            binding.bind_input(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
-        binding.bind_output("logits", "cpu", 0, np.float32, tuple(out.shape), out.data_ptr())
-        self.session.run_with_iobinding(binding)
+            bound.inputs["positions"][:, 0] = [q for p in pieces for q in range(p.past, p.past + tokens)]
+        self.session.run_with_iobinding(bound.binding)
         start = 0
         for i, p in enumerate(pieces):
             slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
             self.rows.write_back(first_row + i, p.past, slots, *paged)
             if p.logits:
-                logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
+                logits[p.logits_first : p.logits_first + p.logits] = bound.out[start : start + p.logits]
             start += max(p.logits, 1)
 
-    def _bound(self, kind: str, first_row: int, n: int):
+    def _bound(self, kind: str, first_row: int, n: int, tokens: int, wanted: int) -> "Bound":
         """The binding of `kind` with each layer's past and present keys / values on the same cache rows (the call
-        writes its keys and values there in place)."""
-        binding, key = self.bindings[kind]
-        if key != (first_row, n, self.rows.version):
+        writes its keys and values there in place), and with input and output buffers of this call's shapes, which
+        a call fills in place."""
+        bound = self.bindings[kind]
+        binding = bound.binding
+        if bound.rows_key != (first_row, n, self.rows.version):
             for i in range(self.layers):
                 for name, cache in (("k", self.rows.k), ("v", self.rows.v)):
                     run = cache[i, first_row : first_row + n]
                     args = ("cpu", 0, np.float32, tuple(run.shape), run.data_ptr())
                     binding.bind_input(f"past_{name}_{i}", *args)
                     binding.bind_output(f"present_{name}_{i}", *args)
-            self.bindings[kind][1] = (first_row, n, self.rows.version)
-        return binding
+            bound.rows_key = (first_row, n, self.rows.version)
+        if bound.shape_key != (n, tokens, wanted):
+            bound.inputs = {
+                "hidden": np.empty((n * tokens, self.hidden_size), np.float32),
+                "batch_shape": np.empty(3, np.int64),  # (B, S, -1)
+                "seqlens": np.empty(n, np.int32),
+                "total": np.empty((), np.int32),
+                "logit_rows": np.empty(wanted, np.int64),
+            }
+            if self.rope_outside:
+                bound.inputs["positions"] = np.empty((n * tokens, 1), np.int64)
+            for name, a in bound.inputs.items():
+                binding.bind_input(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
+            bound.out = torch.empty(wanted, self.vocab)
+            binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
+            bound.shape_key = (n, tokens, wanted)
+        return bound
+
+
+@dataclass
+class Bound:
+    """An io binding and what it is bound to: the cache rows (first row, rows, buffer version), and the shapes
+    (rows, tokens a row, logits rows) of the input and output buffers it reads and writes by address."""
+
+    binding: object
+    rows_key: tuple | None = None
+    shape_key: tuple | None = None
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    out: torch.Tensor | None = None
 
 
 def _head_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
