@@ -16,15 +16,17 @@ A chain of `--layers` x (576 -> 1,536, 1,536 -> 576) int4 projections (SmolLM2's
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu_vs_hf import machine  # noqa: E402
 
 LAYOUTS = ("none", "integer-zp", "matmul-gemm", "reduce-gemm", "rows-split")
 GROUP = 32
@@ -132,12 +134,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--json", dest="json_path")
     args = p.parse_args(argv)
-    meta = {
+    meta = machine() | {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "onnxruntime": ort.__version__,
-        "load_average_before": os.getloadavg(),
         "layers": args.layers,
     }
     rows = []
@@ -154,15 +152,6 @@ def main(argv=None) -> list[dict]:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(rows, indent=2))
     return rows
-
-
-def cpu_model() -> str:
-    """The CPU's model name as Linux reports it (the platform's processor string elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -266,7 +266,7 @@ def test_bench_int4_routes_names_the_route_each_projection_takes(monkeypatch):
 
 def test_bench_cpu_offset_terms_layouts_compute_the_same_projections():
     """The offset-term benchmark times equal work: its exact layouts give one chain's outputs, which a float64
-    recomputation from the same codes, scales and offsets matches; the timing-only integer zero points differ."""
+    recomputation from the same codes, scales and offsets matches; the floor without any offset term does not."""
     pytest.importorskip("onnxruntime")
     spec = importlib.util.spec_from_file_location("bench_offsets", BENCH / "bench_cpu_offset_terms.py")
     bench = importlib.util.module_from_spec(spec)
