@@ -330,10 +330,16 @@ def _llama_permute(w, n_head: int):
 
 
 def write_tiny_gguf(
-    path: str | os.PathLike, arch: str = "llama", seed: int = 0, tie: bool = False, qtype: str = "Q4_0"
+    path: str | os.PathLike,
+    arch: str = "llama",
+    seed: int = 0,
+    tie: bool = False,
+    qtype: str = "Q4_0",
+    head_qtype: str | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny GGUF the way llama.cpp's converter writes one (q/k rows permuted for llama), with 2-D weights in
-    `qtype` (Q4_0, Q4_1, Q8_0 or F32). Returns the path and the HF-named reference weights, i.e. what a loader
+    `qtype` (Q4_0, Q4_1, Q8_0 or F32), the embedding and output tables in `head_qtype` where given (llama.cpp's
+    Q4 files keep them in Q8_0 or finer). Returns the path and the HF-named reference weights, i.e. what a loader
     must give back (quantized weights as their dequantized values)."""
     import gguf
     import numpy as np
@@ -389,7 +395,6 @@ def write_tiny_gguf(
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
     }
-    gtype = getattr(gguf.GGMLQuantizationType, qtype)
     expected = {}
     for name, t in hf.items():
         if name in names:
@@ -401,7 +406,9 @@ def write_tiny_gguf(
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = _llama_permute(arr, heads)
-        if arr.ndim == 2 and qtype != "F32":
+        tensor_qtype = head_qtype if head_qtype and name in ("model.embed_tokens.weight", "lm_head.weight") else qtype
+        if arr.ndim == 2 and tensor_qtype != "F32":
+            gtype = getattr(gguf.GGMLQuantizationType, tensor_qtype)
             q = quants.quantize(arr, gtype)
             w.add_tensor(gname, q, raw_dtype=gtype)
             back = quants.dequantize(q, gtype)

@@ -1,5 +1,6 @@
 """Int4 decode steps through the onnxruntime graph against the torch path: numerics, batches, threads, the switch."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -359,6 +360,56 @@ def test_the_head_codes_built_in_row_chunks_equal_the_whole_tables(q4_1_llama, m
     scales = next(a for name, a in builder.external.items() if name.startswith("head_scales"))
     assert head.shape[0] % 7 and torch.equal(torch.from_numpy(codes), whole[0])
     assert torch.equal(torch.from_numpy(scales), whole[1])
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def q8_head_llama(request, tmp_path_factory):
+    """llama.cpp's Q4_1 layout: int4 layers, the embedding and output tables in Q8_0."""
+    from fixtures import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("q8head")
+    path, _ = write_tiny_gguf(folder / "tiny.gguf", tie=request.param, qtype="Q4_1", head_qtype="Q8_0")
+    return load_model(str(path))
+
+
+def test_a_q8_0_head_is_read_from_the_graphs_codes_and_its_float_table_freed(q8_head_llama):
+    """Codes that give the head back exactly replace its float32 rows in the graph's refine and, for a tied table,
+    in the embedding: the model's float tables are freed (an untied embedding stays, the steps read it), and the
+    logits stay the torch route's where refined."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 5]]
+    exact = step_logits(engine_for(q8_head_llama, "torch", precision="fp32"), prompts, 2)
+    engine = engine_for(q8_head_llama, "onnxruntime")
+    got = step_logits(engine, prompts, 2, forced=greedy(exact))
+    model, tied = engine.runner.model, q8_head_llama.config.tie_word_embeddings
+    assert engine.runner.graph.own_head and model.lm_head is None
+    assert (model.embed is None) == tied
+    for a, b in zip(got, exact):
+        top = a.topk(4, dim=-1).indices
+        assert (a.gather(-1, top) - b.gather(-1, top)).abs().max().item() < 1e-4
+
+
+def test_the_embedding_rows_from_the_head_codes_are_the_tables(q8_head_llama):
+    engine = engine_for(q8_head_llama, "onnxruntime")
+    table = engine.model.embed
+    graph = engine.runner._graph()
+    ids = torch.arange(table.shape[0])
+    assert graph.own_head and torch.equal(graph.embed(ids), table)
+
+
+def test_a_head_its_codes_round_keeps_the_float_tables(q4_1_llama):
+    """A Q4_1 table's values are not 8-bit codes: the graph refines from the float rows, which stay."""
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    graph = engine.runner._graph()
+    assert not graph.own_head and graph.head_rows is not None
+    assert engine.model.lm_head is not None and engine.model.embed is not None
+
+
+def test_a_runner_with_an_mtp_drafter_keeps_the_tables_its_torch_steps_read(q8_head_llama):
+    engine = engine_for(q8_head_llama, "onnxruntime")
+    runner = engine.runner
+    runner.setup = dataclasses.replace(runner.setup, mtp=object())  # the drafter's steps ask for hidden states
+    assert runner._graph().own_head
+    assert runner.model.lm_head is not None and runner.model.embed is not None
 
 
 @pytest.mark.parametrize("spin_us, allowed, duration", [(0, "0", "0"), (20, "1", "20"), (None, "1", None)])

@@ -96,6 +96,15 @@ def test_tiny_gguf(tmp_path, arch, qtype):
     assert m.name == "m"
 
 
+def test_a_quantized_table_dequantized_in_row_chunks_is_the_whole_tables_values(tmp_path, monkeypatch):
+    from flashnext.core import loader_gguf
+
+    monkeypatch.setattr(loader_gguf, "_DEQUANTIZE_ROWS", 7)  # many chunks, the last one short
+    path, expected = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q8_0")
+    table = load_model(str(path)).weights["model.embed_tokens.weight"]
+    assert table.shape[0] % 7 and torch.equal(table, expected["model.embed_tokens.weight"])
+
+
 @pytest.mark.slow
 def test_default_gguf_config():
     path = default_gguf_path()

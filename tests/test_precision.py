@@ -349,6 +349,16 @@ def test_validate_accepts_good_weights():
         validate_weight("ok", x)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_validate_dense_finds_one_bad_value_among_finite_ones(bad):
+    w = torch.randn(64, 64)
+    w[40, 7] = bad
+    with pytest.raises(UserError, match=r"1 of 4096 values are inf/NaN \(first at index \(40, 7\)\)"):
+        validate_weight("t", w)
+    with pytest.raises(UserError, match="inf/NaN"):
+        validate_weight("t", w.half())
+
+
 def test_validate_dense_inf_names_tensor_count_and_index():
     w = torch.zeros(3, 4)
     w[1, 2] = float("inf")

@@ -36,7 +36,9 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 # is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
 # input so moves logits by up to ~0.1: enough to swap two near-tied tokens. So each row's REFINE_TOP largest logits
 # (picked in the graph) are computed again from the head's own weights in float32, which keeps the argmax exact
-# unless that many tokens lie within twice the rounding of the top.
+# unless that many tokens lie within twice the rounding of the top. Where the codes give the head back exactly (a
+# Q8_0 table: GGUF's usual embedding), those rows are read from the codes, and so are the embedding's rows of a tied
+# table: the float32 table is then not needed at all (on SmolLM2 it is 108 MiB beside 30 MiB of codes).
 HEAD_BLOCK, HEAD_ACCURACY, REFINE_TOP = 32, 4, 16
 HEAD_ROWS_AT_ONCE = 4096
 MS_DOMAIN = "com.microsoft"
@@ -192,7 +194,12 @@ class OrtModel:
         self.weights = builder.external
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
         options.add_external_initializers(list(self.weights), self._values)
-        self.head_rows = np.ascontiguousarray(head_weight(model).numpy())  # bound by address (copied only if strided)
+        # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
+        self.own_head = builder.head_exact
+        tied = head_weight(model) is model.embed
+        self.codes, self.scales = (builder.head_codes, builder.head_scales) if self.own_head and tied else (None, None)
+        self.embed_table = None if self.codes is not None else model.embed
+        self.head_rows = None if self.own_head else np.ascontiguousarray(head_weight(model).numpy())
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self.layers, self.vocab, self.hidden_size = cfg.num_layers, cfg.vocab_size, cfg.hidden_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -202,7 +209,15 @@ class OrtModel:
         self.bindings = {kind: Bound(self.session.io_binding()) for kind in ("group", "one")}
         head = self.head_rows
         for bound in self.bindings.values():  # the head's rows stay where they are: bound once
-            bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
+            if head is not None:
+                bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids` [tokens, hidden size]: from the head's codes where they give a tied table back
+        exactly, else from the table."""
+        if self.codes is None:
+            return torch.nn.functional.embedding(ids, self.embed_table).float()
+        return head_values(self.codes[ids], self.scales[ids]).reshape(len(ids), -1)
 
     def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
@@ -298,6 +313,12 @@ def _head_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.uint8), scales
 
 
+def head_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [..., blocks, HEAD_BLOCK] that codes and scales stand for (the graph's refine computes
+    the same). A Q8_0 block's scale times its largest code, 127, is exact in float32, so its values come back."""
+    return (codes.float() - 128) * scales[..., None]
+
+
 def head_weight(model: DecoderModel) -> torch.Tensor:
     """The LM head's weights as the model keeps them (the tied embedding keeps a GGUF's values in fp32)."""
     tied = model.config.tie_word_embeddings and model.lm_head.shape == model.embed.shape
@@ -389,21 +410,32 @@ class GraphBuilder:
         n, k = w.shape
         codes = torch.empty(n, k // HEAD_BLOCK, HEAD_BLOCK, dtype=torch.uint8)
         scales = torch.empty(n, k // HEAD_BLOCK)
+        self.head_exact = True
         for rows in range(0, n, HEAD_ROWS_AT_ONCE):  # a whole table's float temporaries would be 3x its size
             part = slice(rows, rows + HEAD_ROWS_AT_ONCE)
-            codes[part], scales[part] = _head_codes(w[part].float().reshape(-1, k // HEAD_BLOCK, HEAD_BLOCK))
+            blocks = w[part].float().reshape(-1, k // HEAD_BLOCK, HEAD_BLOCK)
+            codes[part], scales[part] = _head_codes(blocks)
+            self.head_exact = self.head_exact and torch.equal(head_values(codes[part], scales[part]), blocks)
+        self.head_codes, self.head_scales = codes, scales
+        self._head_names = self.const(codes.numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")
         attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
-        inputs = [x, self.const(codes.numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")]
-        return self.one("MatMulNBits", inputs, domain=MS_DOMAIN, **attrs)
+        return self.one("MatMulNBits", [x, *self._head_names], domain=MS_DOMAIN, **attrs)
 
     def refine(self, logits: str, x: str) -> str:
-        """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32.
-        The weights are an input bound to the model's tensor: as an initializer onnxruntime copied them."""
+        """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32:
+        from the head's codes where they are exact (`head` tells), else from the float rows, an input bound to the
+        model's tensor (as an initializer onnxruntime would copy them)."""
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
-        rows = self.one("Gather", ["head_rows", top], axis=0)  # the graph input `build` declares
-        if head_weight(self.model).dtype != torch.float32:
-            rows = self.one("Cast", [rows], to=TensorProto.FLOAT)
+        if self.head_exact:  # head_values in graph ops: (codes - 128) * scale, block by block
+            codes, scales = (self.one("Gather", [name, top], axis=0) for name in self._head_names)
+            codes = self.one("Sub", [self.one("Cast", [codes], to=TensorProto.FLOAT), self.const(np.float32(128))])
+            rows = self.one("Mul", [codes, self.one("Unsqueeze", [scales, self.ints(-1)])])
+            rows = self.one("Reshape", [rows, self.ints(0, top_k, self.cfg.hidden_size)])
+        else:
+            rows = self.one("Gather", ["head_rows", top], axis=0)  # the graph input `build` declares
+            if head_weight(self.model).dtype != torch.float32:
+                rows = self.one("Cast", [rows], to=TensorProto.FLOAT)
         exact = self.one("MatMul", [rows, self.one("Unsqueeze", [x, self.ints(-1)])])  # [rows, top_k, 1]
         exact = self.one("Reshape", [exact, self.ints(0, top_k)])
         return self.one("ScatterElements", [logits, top, exact], axis=1)
@@ -466,9 +498,10 @@ class GraphBuilder:
         ]
         if cfg.qk_norm:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
-        head = head_weight(self.model)
-        head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
-        inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))
+        if not self.head_exact:
+            head = head_weight(self.model)
+            head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
+            inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))
         outputs = [
             helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size]),
         ]

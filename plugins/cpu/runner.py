@@ -56,10 +56,9 @@ class CpuRunner(ModelRunner):
         torch.set_num_threads(1)
         try:
             step = self.prepare(inputs.batch)
-            model = self.model
-            hidden = model.kernels.embedding(step.input_ids, model.embed)
+            hidden = graph.embed(step.input_ids)
             logits = graph.step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
-            return StepResult(model.kernels.sample(logits, step.sampling), logits)
+            return StepResult(self.model.kernels.sample(logits, step.sampling), logits)
         finally:
             torch.set_num_threads(threads)
 
@@ -68,9 +67,21 @@ class CpuRunner(ModelRunner):
             start = time.perf_counter()
             activations = ROUTE_ACTIVATIONS[self.route]
             self.graph = ort_graph.OrtModel(self.model, torch.get_num_threads(), activations, self.pool_spin_us)
+            if self.setup.mtp is None:  # only an MTP drafter asks for torch steps (their hidden states) on this route
+                self._drop_tables_the_graph_replaced()
             release_freed_heap()
             self.warm_up_s += time.perf_counter() - start
         return self.graph
+
+    def _drop_tables_the_graph_replaced(self) -> None:
+        """Frees the model's float32 head (and tied embedding) where the graph reads its own exact codes instead:
+        108 MiB on SmolLM2, a GiB on a 128k-vocabulary 2048-wide model. Torch steps, which would read them, do not
+        follow on this route."""
+        model, graph = self.model, self.graph
+        if graph.own_head:
+            model.lm_head = None
+        if graph.embed_table is None:
+            model.embed = None
 
 
 def release_freed_heap() -> bool:
