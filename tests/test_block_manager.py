@@ -104,14 +104,26 @@ def test_freed_cached_blocks_stay_reusable_until_evicted():
     a = compute(blocks, seq_of(range(9)))  # blocks for [0..3], [4..7], partial [8]
     head, middle, tail = a.block_table
     blocks.free_sequence(a)
-    # Released tail first: the free list (eviction order) ends ... tail, middle, head.
-    assert list(blocks.free)[-3:] == [tail, middle, head]
-    b = compute(blocks, seq_of([100, 101]))  # needs one block: the never-used one at the front
-    assert b.block_table[0] not in (head, middle, tail)
+    # Released tail first: the free list (eviction order) ends ... middle, head; the partial tail cached nothing,
+    # so it went to the front, to be taken first.
+    assert list(blocks.free)[-2:] == [middle, head] and list(blocks.free)[0] == tail
+    b = compute(blocks, seq_of([100, 101]))  # needs one block: the tail, not the never-used one
+    assert b.block_table == [tail]
     c = seq_of(range(9))
     assert blocks.admit(c) and c.block_table == [head, middle]  # still cached
     blocks.free_sequence(b)
     blocks.free_sequence(c)
+
+
+def test_blocks_that_cache_nothing_are_taken_again_first():
+    """Without prefix caching, a finished request's blocks serve the next one: the pool's other pages stay
+    untouched (on the CPU they are not resident until written)."""
+    blocks = BlockManager(16, BS, prefix_caching=False)
+    a = compute(blocks, seq_of(range(9)))
+    used = list(a.block_table)
+    blocks.free_sequence(a)
+    b = compute(blocks, seq_of(range(50, 59)))
+    assert b.block_table == used
 
 
 def test_eviction_takes_the_oldest_free_block_and_forgets_its_hash():
