@@ -34,6 +34,13 @@ def _root() -> Path | None:
     return Path(setting) if setting else Path.home() / ".cache" / "flashnext"
 
 
+def scratch_folder() -> Path | None:
+    """Where a backend may keep unnamed files of a run's derived data (on the cache's disk, so their pages can
+    leave memory), or None where the cache is off."""
+    root = _root()
+    return None if root is None else root / "scratch"
+
+
 def entry_for(path: Path) -> Path | None:
     root = _root()
     if root is None:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,8 +409,64 @@ def test_a_runner_with_an_mtp_drafter_keeps_the_tables_its_torch_steps_read(q8_h
     engine = engine_for(q8_head_llama, "onnxruntime")
     runner = engine.runner
     runner.setup = dataclasses.replace(runner.setup, mtp=object())  # the drafter's steps ask for hidden states
-    assert runner._graph().own_head
+    assert runner._graph().own_head and runner.graph.constants.apart_from_model
     assert runner.model.lm_head is not None and runner.model.embed is not None
+    assert len(runner.model.layers) == q8_head_llama.config.num_layers
+
+
+def rss_file_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_constants_in_a_file_read_back_and_leave_memory_once_dropped(tmp_path):
+    from flashnext.plugins.cpu.ort_graph import Constants
+
+    big, small = np.arange(16 << 20, dtype=np.float32), np.arange(10, dtype=np.int64)  # 64 MiB, 80 bytes
+    constants = Constants({"big": big, "small": small}, tmp_path / "scratch")
+    assert constants.apart_from_model and not constants.arrays["big"].flags.writeable
+    assert np.array_equal(constants.arrays["big"], big) and np.array_equal(constants.arrays["small"], small)
+    resident = rss_file_mib()
+    constants.drop_resident()
+    assert rss_file_mib() < resident - 48
+    assert np.array_equal(constants.arrays["big"], big)  # read back from the file
+    assert list((tmp_path / "scratch").iterdir()) == []  # unlinked: nothing is left behind
+
+
+def test_constants_stay_in_memory_without_a_folder_that_takes_them(tmp_path):
+    from flashnext.plugins.cpu.ort_graph import Constants
+
+    arrays = {"a": np.ones(4, np.float32)}
+    assert not Constants(arrays, None).apart_from_model
+    (tmp_path / "taken").write_text("")  # a file where the folder would be
+    constants = Constants(arrays, tmp_path / "taken" / "scratch")
+    assert not constants.apart_from_model and constants.arrays["a"] is arrays["a"]
+    assert Constants({}, None).apart_from_model  # nothing of the model's handed over
+
+
+def test_a_graph_with_its_constants_in_a_file_frees_the_models_projections(q4_1_llama, monkeypatch):
+    from flashnext.plugins.cpu import ort_graph
+
+    monkeypatch.setattr(ort_graph, "EXTERNAL_BYTES", 256)  # the weights handed over by address, as a real model's
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 5]]
+    ref = step_logits(engine_for(q4_1_llama, "torch"), prompts, 3)
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    got = step_logits(engine, prompts, 3, forced=greedy(ref))
+    assert engine.runner.graph.constants.apart_from_model and engine.model.layers == []
+    for a, b in zip(got, ref):
+        assert 0 < nmse(a, b) < BOUNDS["onnxruntime"]
+
+
+def test_constants_left_in_memory_keep_the_models_projections(q4_1_llama, monkeypatch):
+    """With the cache off they are views of the model's own tensors, which onnxruntime reads: those stay."""
+    from flashnext.plugins.cpu import ort_graph
+
+    monkeypatch.setattr(ort_graph, "EXTERNAL_BYTES", 256)
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", "off")
+    engine = engine_for(q4_1_llama, "onnxruntime")
+    assert not engine.runner._graph().constants.apart_from_model
+    assert len(engine.model.layers) == q4_1_llama.config.num_layers
 
 
 @pytest.mark.parametrize("spin_us, allowed, duration", [(0, "0", "0"), (20, "1", "20"), (None, "1", None)])

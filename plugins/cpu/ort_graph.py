@@ -14,7 +14,12 @@ zero points. The codes run with zero point 8, exactly symmetric weights (offset 
 beyond that is a dense product of each group's column sum: sum_g (offset_g + 8 * scale_g) * sum(x_g).
 """
 
+import contextlib
+import math
+import mmap
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -172,9 +177,20 @@ class Piece:
 class OrtModel:
     """One onnxruntime session running every layer and the LM head over a step's tokens."""
 
-    def __init__(self, model: DecoderModel, threads: int, activations: str, spin_us: int | None):
+    def __init__(
+        self,
+        model: DecoderModel,
+        threads: int,
+        activations: str,
+        spin_us: int | None,
+        release_model: bool = False,
+        constants_folder: Path | None = None,
+    ):
         """`spin_us`: how long the pool's idle threads spin for the next op before they sleep (0: they sleep at
-        once; None: onnxruntime's own, unbounded spinning)."""
+        once; None: onnxruntime's own, unbounded spinning). `release_model`: no torch step will follow, so the
+        model's own copies of what the graph holds are let go before the session is built (its projections where
+        the graph's constants live in a file, its float head where the graph has exact codes). `constants_folder`:
+        where that file goes (None: the constants stay in memory)."""
         import onnxruntime as ort
 
         cfg = model.config
@@ -190,17 +206,25 @@ class OrtModel:
         options.enable_cpu_mem_arena = True
         builder = GraphBuilder(model, ROUNDED[activations])
         graph = builder.build().SerializeToString()
-        # Kept for the session's life: it reads these arrays, most of them views of the model's own tensors.
-        self.weights = builder.external
-        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.weights.values()]
-        options.add_external_initializers(list(self.weights), self._values)
+        # onnxruntime reads these by address and must have them for the session's life (it builds its own packed
+        # copies from them): in a file, they take no memory once the session is built.
+        self.constants = Constants(builder.external, constants_folder)
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.constants.arrays.values()]
+        options.add_external_initializers(list(self.constants.arrays), self._values)
         # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
         self.own_head = builder.head_exact
         tied = head_weight(model) is model.embed
-        self.codes, self.scales = (builder.head_codes, builder.head_scales) if self.own_head and tied else (None, None)
-        self.embed_table = None if self.codes is not None else model.embed
+        own_embed = self.own_head and tied
+        # The file's copies where the codes went there (a small head's are serialized into the graph).
+        head = [self.constants.arrays.get(n, a) for n, a in zip(builder.head_names, builder.head_arrays)]
+        self.codes, self.scales = head if own_embed else (None, None)
+        self.embed_table = None if own_embed else model.embed
         self.head_rows = None if self.own_head else np.ascontiguousarray(head_weight(model).numpy())
+        del builder
+        if release_model:
+            self._release(model)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        self.constants.drop_resident()
         self.layers, self.vocab, self.hidden_size = cfg.num_layers, cfg.vocab_size, cfg.hidden_size
         self.rows = RowCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.rope_outside = cfg.qk_norm  # the graph's own rope op then takes the positions
@@ -212,12 +236,25 @@ class OrtModel:
             if head is not None:
                 bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
 
+    def _release(self, model: DecoderModel) -> None:
+        """Lets go of the model's tensors the graph does not read: 108 MiB of float head on SmolLM2 (a GiB on a
+        128k-vocabulary 2048-wide model), and its projections (79 MiB) once the graph's copies are in a file."""
+        if self.own_head:
+            model.lm_head = None
+        if self.embed_table is None:
+            model.embed = None
+        if self.constants.apart_from_model:
+            model.layers = []
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `ids` [tokens, hidden size]: from the head's codes where they give a tied table back
         exactly, else from the table."""
         if self.codes is None:
             return torch.nn.functional.embedding(ids, self.embed_table).float()
-        return head_values(self.codes[ids], self.scales[ids]).reshape(len(ids), -1)
+        rows = ids.numpy()
+        return head_values(torch.from_numpy(self.codes[rows]), torch.from_numpy(self.scales[rows])).reshape(
+            len(ids), -1
+        )
 
     def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
@@ -292,6 +329,45 @@ class OrtModel:
             binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
             bound.shape_key = (n, tokens, wanted)
         return bound
+
+
+class Constants:
+    """The graph's large constants by name, in one unlinked file mapped read-only where a folder is given and takes
+    one (else the arrays themselves). Once the session has built its own copies, the map's pages are let go: the
+    file keeps their bytes, and a later read pages them back in."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], folder: Path | None):
+        self.arrays, self._map = arrays, None
+        if folder is not None and arrays:
+            with contextlib.suppress(OSError):  # no room or no write access there: they stay in memory
+                self._map, self.arrays = _file_backed(arrays, folder)
+
+    @property
+    def apart_from_model(self) -> bool:
+        """None of the arrays is (a view of) the model's own memory: they are copies in the file, or none."""
+        return self._map is not None or not self.arrays
+
+    def drop_resident(self) -> None:
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+
+def _file_backed(arrays: dict[str, np.ndarray], folder: Path) -> tuple[mmap.mmap, dict[str, np.ndarray]]:
+    """The arrays written to an unlinked file in `folder` (each at a page boundary) and mapped back read-only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    places = {}
+    with tempfile.TemporaryFile(dir=folder) as f:
+        for name, a in arrays.items():
+            start = -(-f.tell() // mmap.PAGESIZE) * mmap.PAGESIZE
+            f.seek(start)
+            f.write(np.ascontiguousarray(a).data.cast("B"))
+            places[name] = (start, a.dtype, a.shape)
+        f.flush()
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    views = {
+        n: np.frombuffer(mapped, dt, math.prod(shape), start).reshape(shape) for n, (start, dt, shape) in places.items()
+    }
+    return mapped, views
 
 
 @dataclass
@@ -416,10 +492,10 @@ class GraphBuilder:
             blocks = w[part].float().reshape(-1, k // HEAD_BLOCK, HEAD_BLOCK)
             codes[part], scales[part] = _head_codes(blocks)
             self.head_exact = self.head_exact and torch.equal(head_values(codes[part], scales[part]), blocks)
-        self.head_codes, self.head_scales = codes, scales
-        self._head_names = self.const(codes.numpy(), "head_codes"), self.const(scales.numpy(), "head_scales")
+        self.head_arrays = codes.numpy(), scales.numpy()
+        self.head_names = tuple(self.const(a, stem) for a, stem in zip(self.head_arrays, ("head_codes", "head_scales")))
         attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
-        return self.one("MatMulNBits", [x, *self._head_names], domain=MS_DOMAIN, **attrs)
+        return self.one("MatMulNBits", [x, *self.head_names], domain=MS_DOMAIN, **attrs)
 
     def refine(self, logits: str, x: str) -> str:
         """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32:
@@ -428,7 +504,7 @@ class GraphBuilder:
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
         if self.head_exact:  # head_values in graph ops: (codes - 128) * scale, block by block
-            codes, scales = (self.one("Gather", [name, top], axis=0) for name in self._head_names)
+            codes, scales = (self.one("Gather", [name, top], axis=0) for name in self.head_names)
             codes = self.one("Sub", [self.one("Cast", [codes], to=TensorProto.FLOAT), self.const(np.float32(128))])
             rows = self.one("Mul", [codes, self.one("Unsqueeze", [scales, self.ints(-1)])])
             rows = self.one("Reshape", [rows, self.ints(0, top_k, self.cfg.hidden_size)])

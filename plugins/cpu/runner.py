@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from flashnext.core import model_cache
 from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, StepResult
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
@@ -66,22 +67,18 @@ class CpuRunner(ModelRunner):
         if self.graph is None:
             start = time.perf_counter()
             activations = ROUTE_ACTIVATIONS[self.route]
-            self.graph = ort_graph.OrtModel(self.model, torch.get_num_threads(), activations, self.pool_spin_us)
-            if self.setup.mtp is None:  # only an MTP drafter asks for torch steps (their hidden states) on this route
-                self._drop_tables_the_graph_replaced()
+            self.graph = ort_graph.OrtModel(
+                self.model,
+                torch.get_num_threads(),
+                activations,
+                self.pool_spin_us,
+                # Only an MTP drafter asks this route for torch steps (their hidden states).
+                release_model=self.setup.mtp is None,
+                constants_folder=model_cache.scratch_folder(),
+            )
             release_freed_heap()
             self.warm_up_s += time.perf_counter() - start
         return self.graph
-
-    def _drop_tables_the_graph_replaced(self) -> None:
-        """Frees the model's float32 head (and tied embedding) where the graph reads its own exact codes instead:
-        108 MiB on SmolLM2, a GiB on a 128k-vocabulary 2048-wide model. Torch steps, which would read them, do not
-        follow on this route."""
-        model, graph = self.model, self.graph
-        if graph.own_head:
-            model.lm_head = None
-        if graph.embed_table is None:
-            model.embed = None
 
 
 def release_freed_heap() -> bool:
