@@ -52,9 +52,11 @@ class CpuBackend(Backend):
         return Probe(True, 1.0, "the CPU is always there; the lowest score so any accelerator wins", facts)
 
     def profiles(self) -> dict[str, Profile]:
-        # The KV cap keeps a laptop responsive: 2 GiB holds ~45k tokens of the default model in fp32.
+        # The KV cap keeps a laptop responsive: 2 GiB holds ~45k tokens of the default model in fp32. Prompt chunks
+        # of 256 tokens prefill faster than 512 (attention's scores and the MLP's activations stay in cache: SmolLM2
+        # int4 at 2 threads 809 vs 753 tok/s, fp32 854 vs 819) and the step's scratch memory is half.
         full = CpuProfile(
-            name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=512, kv_cache_max_gib=2.0
+            name="full", chunked_prefill=True, max_num_seqs=16, max_num_batched_tokens=256, kv_cache_max_gib=2.0
         )
         return {"full": full, "basic": full.basic()}
 
