@@ -251,10 +251,11 @@ class OrtModel:
         exactly, else from the table."""
         if self.codes is None:
             return torch.nn.functional.embedding(ids, self.embed_table).float()
+        # head_values in numpy: after a session call's stream of weights the host runs cache-cold, and numpy's few
+        # calls cost half of torch's (SmolLM2 decode: 47 vs 81 us a step).
         rows = ids.numpy()
-        return head_values(torch.from_numpy(self.codes[rows]), torch.from_numpy(self.scales[rows])).reshape(
-            len(ids), -1
-        )
+        values = (self.codes[rows].astype(np.float32) - 128) * self.scales[rows][..., None]
+        return torch.from_numpy(values.reshape(len(rows), -1))
 
     def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
