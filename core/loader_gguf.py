@@ -326,7 +326,7 @@ def _decode(data, tensor_type, shape: tuple[int, ...]) -> Weight:
     if type_name in ("Q4_0", "Q4_1") and len(shape) == 2:
         return int4_from_gguf(np.ascontiguousarray(data), type_name, shape)
     data = np.ascontiguousarray(data)
-    rows = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, -1)
+    rows = data.reshape(-1, data.shape[-1])
     out = torch.empty(rows.shape[0], math.prod(shape) // rows.shape[0])
     # In row chunks: the reader's dequantize holds about twice its result in temporaries (217 MiB for SmolLM2's
     # 108 MiB embedding table), which would otherwise set the load's peak memory.

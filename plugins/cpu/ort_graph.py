@@ -213,14 +213,14 @@ class OrtModel:
         options.add_external_initializers(list(self.constants.arrays), self._values)
         # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
         self.own_head = builder.head_exact
-        tied = head_weight(model) is model.embed
-        own_embed = self.own_head and tied
+        head_table = head_weight(model)
+        own_embed = self.own_head and head_table is model.embed
         # The file's copies where the codes went there (a small head's are serialized into the graph).
         head = [self.constants.arrays.get(n, a) for n, a in zip(builder.head_names, builder.head_arrays)]
         self.codes, self.scales = head if own_embed else (None, None)
         self.embed_table = None if own_embed else model.embed
-        self.head_rows = None if self.own_head else np.ascontiguousarray(head_weight(model).numpy())
-        del builder
+        self.head_rows = None if self.own_head else np.ascontiguousarray(head_table.numpy())
+        del builder, head_table
         if release_model:
             self._release(model)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
