@@ -42,7 +42,15 @@ from flashnext.core.loader import default_model_path, load_model  # noqa: E402
 from numerics import step_logits  # noqa: E402
 
 PROSE = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined type. "
-ROUTES = ("torch", "onnxruntime", "onnxruntime-mlp-int8", "onnxruntime-int8", "onnxruntime-sleep", "onnxruntime-spin")
+ROUTES = (
+    "torch",
+    "native",
+    "onnxruntime",
+    "onnxruntime-mlp-int8",
+    "onnxruntime-int8",
+    "onnxruntime-sleep",
+    "onnxruntime-spin",
+)
 POOL_SPIN_US = {"-sleep": 0, "-spin": None}  # a route's suffix: CpuRunner.pool_spin_us
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from safetensors import safe_open
@@ -39,6 +40,21 @@ def scratch_folder() -> Path | None:
     leave memory), or None where the cache is off."""
     root = _root()
     return None if root is None else root / "scratch"
+
+
+def build_folder() -> Path:
+    """Where a backend keeps what it compiles for this machine: the cache's `build` folder, or a folder of this
+    process's own where the cache is off."""
+    global _process_build_folder
+    root = _root()
+    if root is not None:
+        return root / "build"
+    if _process_build_folder is None:
+        _process_build_folder = Path(tempfile.mkdtemp(prefix="flashnext-build-"))
+    return _process_build_folder
+
+
+_process_build_folder: Path | None = None
 
 
 def entry_for(path: Path) -> Path | None:

@@ -273,9 +273,10 @@ def test_auto_route_keeps_the_readme_answer():
     assert loaded.tokenizer.decode(answers["auto"]).startswith("The capital of France is Paris")
 
 
-def test_auto_picks_onnxruntime_for_int4_and_torch_for_other_precisions(q4_1_llama):
+def test_auto_picks_a_graph_route_for_int4_and_torch_for_other_precisions(q4_1_llama):
     runner = engine_for(q4_1_llama, "auto").runner
-    assert runner.route == "onnxruntime" and "float32 activations" in runner.route_reason
+    assert runner.route in ("native", "onnxruntime") and "float32 activations" in runner.route_reason
+    assert "float32 activations" in engine_for(q4_1_llama, "onnxruntime").runner.route_reason
     assert "int8 activations into the MLP" in engine_for(q4_1_llama, "onnxruntime-mlp-int8").runner.route_reason
     assert "onnxruntime" in int4_route_fact()
     fp32 = engine_for(q4_1_llama, "auto", precision="fp32").runner

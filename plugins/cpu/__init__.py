@@ -12,19 +12,22 @@ from flashnext.core.precision import Int4Weight
 from flashnext.core.profile import Profile
 
 from .kernels import EXPANDED_DTYPE, CpuKernels
+from .native import compilers
 
 
 class CpuProfile(Profile):
-    """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: `onnxruntime` (one graph computing
-    from the 4-bit codes, float32 activations: the reference's numbers but for the 8-bit LM head's rounding),
+    """The core's knobs plus how int4 steps (prompt chunks and decode steps) run: `native` (decode steps through
+    flashnext's own C step, built for this CPU at first use: every layer and the LM head in one call, float32
+    activations, the float32 model's numbers; prompt chunks through the onnxruntime graph), `onnxruntime` (one graph
+    computing from the 4-bit codes, float32 activations: the reference's numbers but for the 8-bit LM head's rounding),
     `onnxruntime-mlp-int8` (the same graph with the activations into the MLP projections rounded to int8 in blocks
     as llama.cpp's Q4 x Q8 dot does: faster, logits error below llama.cpp's), `onnxruntime-int8` (int8 into every
-    projection: the fastest, the largest error), `torch` (the weights expanded once to fp16), or `auto` (onnxruntime
-    where it is installed and the model fits the graph: rounding moves near-tied tokens, and on the default model
-    it changes the README's first answer); env FLASHNEXT_INT4_ROUTE. docs/benchmarks.md has each route's speed
-    and logits error."""
+    projection: the largest error), `torch` (the weights expanded once to fp16), or `auto` (native where a C
+    compiler builds it, else onnxruntime where it is installed and the model fits the graph: the rounded routes move
+    near-tied tokens, and on the default model they change the README's first answer); env FLASHNEXT_INT4_ROUTE.
+    docs/benchmarks.md has each route's speed and logits error."""
 
-    int4_route: Literal["auto", "onnxruntime-mlp-int8", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
+    int4_route: Literal["auto", "native", "onnxruntime-mlp-int8", "onnxruntime", "onnxruntime-int8", "torch"] = "auto"
 
     def executed_on(self) -> str:
         return f"profile '{self.name}', int4_route {self.int4_route}"
@@ -90,13 +93,15 @@ class CpuBackend(Backend):
 
 
 def int4_route_fact() -> str:
-    """What `auto` runs int4 steps through on this machine (for --explain)."""
+    """What `auto` runs int4 steps through on this machine (for --explain; whether the C step builds is known once a
+    model loads: the runner says)."""
     if importlib.util.find_spec("onnxruntime") is None:
         return "torch (weights expanded to fp16): onnxruntime is not installed"
-    return (
-        "onnxruntime MatMulNBits, one graph, float32 activations"
-        " (int4_route: onnxruntime-mlp-int8, onnxruntime-int8, torch)"
-    )
+    graph = "onnxruntime MatMulNBits, one graph, float32 activations"
+    others = "(int4_route: onnxruntime, onnxruntime-mlp-int8, onnxruntime-int8, torch)"
+    if compilers():
+        return f"decode through the C step built for this CPU, prompts through {graph} {others}"
+    return f"{graph}: no C compiler for the C decode step (set CC, or pip install ziglang) {others}"
 
 
 @hookimpl

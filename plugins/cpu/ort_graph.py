@@ -29,6 +29,8 @@ from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
 
+from . import native
+
 # MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
 INT8_ACTIVATIONS, FP32_ACTIVATIONS = 4, 1
@@ -185,6 +187,7 @@ class OrtModel:
         spin_us: int | None,
         release_model: bool = False,
         constants_folder: Path | None = None,
+        native_decode: bool = False,
     ):
         """`spin_us`: how long the pool's idle threads spin for the next op before they sleep (0: they sleep at
         once; None: onnxruntime's own, unbounded spinning). `release_model`: no torch step will follow, so the
@@ -221,6 +224,10 @@ class OrtModel:
         self.embed_table = None if own_embed else model.embed
         self.head_rows = None if self.own_head else np.ascontiguousarray(head_table.numpy())
         del builder, head_table
+        # The C step for one-token rows (plugins/cpu/native.py), made before the model's projections are let go.
+        self.native = (
+            native.NativeDecoder(model, head, self.head_rows, threads, spin_us or 0) if native_decode else None
+        )
         if release_model:
             self._release(model)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
@@ -266,7 +273,11 @@ class OrtModel:
         if group:
             rows = self.rows.place_group([p.owner for p in group])
             order = sorted(range(len(group)), key=rows.__getitem__)  # batch row i is cache row i
-            self._call([group[i] for i in order], 0, "group", hidden, meta, paged, block_size, logits)
+            group = [group[i] for i in order]
+            if self.native is not None and len(group) <= native.MAX_TOKENS:
+                self._native_call(group, hidden, meta, paged, block_size, logits)
+            else:
+                self._call(group, 0, "group", hidden, meta, paged, block_size, logits)
         for piece in pieces:
             if piece.tokens > 1:
                 row = self.rows.place_one(piece.owner, len(group))
@@ -299,6 +310,20 @@ class OrtModel:
             if p.logits:
                 logits[p.logits_first : p.logits_first + p.logits] = bound.out[start : start + p.logits]
             start += max(p.logits, 1)
+
+    def _native_call(self, pieces, hidden, meta, paged, block_size, logits) -> None:
+        """One-token pieces (in cache rows 0, 1, ...) through the C step."""
+        n = len(pieces)
+        self.rows.reserve(n, max(p.past + 1 for p in pieces))
+        for i, p in enumerate(pieces):
+            self.rows.sync(i, p.past, meta.block_tables[p.index], *paged, block_size)
+        inputs = hidden[[p.first for p in pieces]]
+        out = torch.empty(n, self.vocab)
+        self.native.step(self.rows.k, self.rows.v, list(range(n)), [p.past for p in pieces], inputs, out)
+        for i, p in enumerate(pieces):
+            self.rows.write_back(i, p.past, meta.slot_mapping[p.first : p.first + 1].tolist(), *paged)
+            if p.logits:
+                logits[p.logits_first] = out[i]
 
     def _bound(self, kind: str, first_row: int, n: int, tokens: int, wanted: int) -> "Bound":
         """The binding of `kind` with each layer's past and present keys / values on the same cache rows (the call

@@ -10,7 +10,7 @@ from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, St
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
 
-from . import ort_graph
+from . import native, ort_graph
 from .kernels import EXPANDED_DTYPE
 
 
@@ -75,6 +75,7 @@ class CpuRunner(ModelRunner):
                 # Only an MTP drafter asks this route for torch steps (their hidden states).
                 release_model=self.setup.mtp is None,
                 constants_folder=model_cache.scratch_folder(),
+                native_decode=self.route == "native",
             )
             release_freed_heap()
             self.warm_up_s += time.perf_counter() - start
@@ -114,7 +115,12 @@ def pieces(batch) -> list[ort_graph.Piece]:
 
 
 # What each onnxruntime route rounds to int8 (ort_graph.ROUNDED), and how `run --explain` says it.
-ROUTE_ACTIVATIONS = {"onnxruntime": "fp32", "onnxruntime-mlp-int8": "mlp-int8", "onnxruntime-int8": "int8"}
+ROUTE_ACTIVATIONS = {
+    "native": "fp32",
+    "onnxruntime": "fp32",
+    "onnxruntime-mlp-int8": "mlp-int8",
+    "onnxruntime-int8": "int8",
+}
 ACTIVATIONS_SAID = {
     "fp32": "float32 activations",
     "mlp-int8": "int8 activations into the MLP projections, float32 into attention's",
@@ -123,21 +129,32 @@ ACTIVATIONS_SAID = {
 
 
 def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
-    """(route, why): an onnxruntime route where the graph can run this model's steps and the choice allows it;
-    `auto` is `onnxruntime` (float32 activations: the rounded routes change the README's first answer)."""
+    """(route, why): the C decode step where it builds here and the choice allows it (`auto`, `native`), else an
+    onnxruntime route where the graph can run this model's steps (`auto`: float32 activations; the rounded routes
+    change the README's first answer), else torch."""
     if choice == "torch":
         return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
     if model.precision.name != "int4":
         return "torch", f"the projections are {model.precision.name}, not int4 (int4_route concerns int4 steps only)"
-    reason = ort_graph.unsupported(model, kv_dtype)
+    reason = ort_graph.unsupported(model, kv_dtype)  # the native route prefills through the graph too
     if getattr(model, "parallel", None) is not None:  # the graph holds whole layers: no all-reduce between ranks
         reason = "tensor-parallel ranks hold shards of each layer"
     if getattr(model.kernels, "batch_invariant", False):  # onnxruntime's GEMMs block by the number of rows
         reason = "batch_invariant asks for fixed per-row arithmetic"
+    if reason is None and choice in ("auto", "native"):
+        missing = native.unavailable(model)
+        if missing is None:
+            return "native", (
+                "int4 decode steps through flashnext's C step built for this CPU, float32 activations; prompt chunks"
+                " through one onnxruntime MatMulNBits graph, float32 activations"
+            )
+        if choice == "native":
+            raise UserError(f"int4_route = native cannot run here: {missing}; set int4_route to auto or onnxruntime")
+        acts = ACTIVATIONS_SAID["fp32"]
+        return "onnxruntime", f"int4 steps through one onnxruntime MatMulNBits graph, {acts} (no C step: {missing})"
     if reason is None:
-        route = "onnxruntime" if choice == "auto" else choice
-        acts = ACTIVATIONS_SAID[ROUTE_ACTIVATIONS[route]]
-        return route, f"int4 steps through one onnxruntime MatMulNBits graph, {acts}"
+        acts = ACTIVATIONS_SAID[ROUTE_ACTIVATIONS[choice]]
+        return choice, f"int4 steps through one onnxruntime MatMulNBits graph, {acts}"
     if choice != "auto":
         raise UserError(f"int4_route = {choice} cannot run this model: {reason}; set int4_route to auto or torch")
     return "torch", f"int4 steps through torch: {reason}"

@@ -1,0 +1,320 @@
+"""Int4 decode steps through flashnext's own C step (decode.c), compiled for this CPU at first use.
+
+The build takes the first C compiler it finds: $CC, then cc / gcc / clang on the PATH, then the one the `ziglang`
+wheel ships (a dependency, so a fresh machine has it); the library is kept under the cache folder, keyed by the
+source, the compiler and this CPU's features, and rebuilt when any of them changes. Where no compiler works the
+CPU backend says why and runs its onnxruntime route instead.
+"""
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashnext.core import model_cache
+from flashnext.core.model import DecoderModel
+from flashnext.core.precision import Int4Weight
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
+MAX_TOKENS = 64  # one-token rows a call takes (decode.c's MAX_TOKENS)
+BUILD_TIMEOUT_S = 300
+_CALLS = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """No compiler produced the library; the message says what was tried."""
+
+
+def compilers() -> list[list[str]]:
+    """Commands that compile C here, in the order tried."""
+    found = []
+    if os.environ.get("CC"):
+        found.append(os.environ["CC"].split())
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            found.append([path])
+    if importlib.util.find_spec("ziglang") is not None:
+        found.append([sys.executable, "-m", "ziglang", "cc"])
+    return found
+
+
+def cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("flags", "model name", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def unavailable(model: DecoderModel) -> str | None:
+    """Why the C step cannot run this model here (None: it can): the model's shapes, or no library builds."""
+    reason = unsupported(model)
+    if reason is None:
+        try:
+            build()
+        except BuildError as exc:
+            reason = f"the C step did not build ({exc})"
+    return reason
+
+
+@functools.cache
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The compiled step, from the cache folder or built now (once a process). `extra_flags` follow -march=native
+    (tests build the AVX2 and plain-C variants with -mno-avx512f and the like)."""
+    source = SOURCE.read_bytes()
+    flags = [*FLAGS, *extra_flags]
+    errors = []
+    for command in compilers():
+        key = hashlib.sha256(source + repr(command + flags).encode() + cpu_features().encode()).hexdigest()[:16]
+        folder = model_cache.build_folder()
+        library = folder / f"decode-{key}.so"
+        if not library.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as work:
+                out = Path(work) / "decode.so"
+                try:
+                    done = subprocess.run(
+                        [*command, *flags, "-o", str(out), str(SOURCE), "-lm"],
+                        capture_output=True,
+                        text=True,
+                        timeout=BUILD_TIMEOUT_S,
+                    )
+                except (OSError, subprocess.TimeoutExpired) as exc:
+                    errors.append(f"{' '.join(command)}: {exc}")
+                    continue
+                if done.returncode != 0:
+                    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                    errors.append(f"{' '.join(command)}: {last}")
+                    continue
+                os.replace(out, library)  # whole or not at all: another process may be loading it
+        try:
+            return _declare(ctypes.CDLL(str(library)))
+        except OSError as exc:
+            errors.append(f"{library}: {exc}")
+    if not errors:
+        raise BuildError("no C compiler found (set CC, or pip install ziglang)")
+    raise BuildError("; ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.fx_set_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.fx_set_threads.restype = ctypes.c_int
+    lib.fx_decode.argtypes = [
+        ctypes.POINTER(ModelWeights),
+        RowCacheView,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.fx_decode.restype = ctypes.c_int
+    lib.fx_lanes.restype = ctypes.c_int
+    return lib
+
+
+class Q4Weight(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("half", ctypes.c_int64),
+    ]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [
+        ("qkv", Q4Weight),
+        ("o", Q4Weight),
+        ("gate_up", Q4Weight),
+        ("down", Q4Weight),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+    ]
+
+
+class ModelWeights(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layer", ctypes.POINTER(LayerWeights)),
+        ("final_norm", ctypes.c_void_p),
+        ("head_codes", ctypes.c_void_p),
+        ("head_scales", ctypes.c_void_p),
+        ("head_half", ctypes.c_int64),
+        ("refine_rows", ctypes.c_void_p),
+        ("refine_half", ctypes.c_int64),
+        ("refine_top", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+class RowCacheView(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("rows", ctypes.c_int64), ("capacity", ctypes.c_int64)]
+
+
+def unsupported(model: DecoderModel) -> str | None:
+    """Why the C step cannot run this model (None: it can); on top of what the onnxruntime graph needs."""
+    cfg = model.config
+    if cfg.head_dim % 16 or cfg.head_dim > 256:
+        return f"head_dim {cfg.head_dim} is not a multiple of 16 up to 256"
+    if cfg.hidden_size > 32768:
+        return f"hidden size {cfg.hidden_size} is over 32768"
+    for layer in model.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if w.group_size % 32:
+                return f"int4 group size {w.group_size} is not a multiple of 32"
+    return None
+
+
+def q4_layout(w: Int4Weight) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(codes [n][k/32][16], scales, offsets, half) as decode.c reads them: in each group of 32, byte j holds element
+    j (low nibble) and element j + 16 (high). Scales and offsets are float16 where that is exact (GGUF's Q4_0 /
+    Q4_1 store them so: a step then reads 0.625 byte a weight), float32 otherwise; groups wider than 32 repeat
+    theirs for each 32."""
+    n, k = w.shape
+    pairs = w.packed.numpy().reshape(n, k // 32, 16)  # byte i: elements 2i (low), 2i + 1 (high) of the group
+    values = np.empty((n, k // 32, 32), np.uint8)
+    values[..., 0::2], values[..., 1::2] = pairs & 15, pairs >> 4
+    codes = values[..., :16] | (values[..., 16:] << 4)
+    repeat = w.group_size // 32
+    scales, offsets = (t.float().repeat_interleave(repeat, dim=1).numpy() for t in (w.scales, w.offsets))
+    half = exact_in_half(scales) and exact_in_half(offsets)
+    if half:
+        scales, offsets = scales.astype(np.float16), offsets.astype(np.float16)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(scales), np.ascontiguousarray(offsets), half
+
+
+def exact_in_half(a: np.ndarray) -> bool:
+    return np.array_equal(a.astype(np.float16).astype(np.float32), a)
+
+
+def halved(a: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(a as float16, True) where that is exact, else (a, False)."""
+    return (a.astype(np.float16), True) if exact_in_half(a) else (a, False)
+
+
+class NativeDecoder:
+    """The model's layers and LM head as decode.c reads them, and one-token steps through it."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        head: tuple[np.ndarray, np.ndarray],
+        head_rows: np.ndarray | None,
+        threads: int,
+        spin_us: int,
+        library: ctypes.CDLL | None = None,
+    ):
+        """`head`: the 8-bit codes and scales the onnxruntime graph made of the LM head; `head_rows`: the float table
+        to recompute each row's top logits from where those codes are not exact (None where they are); `library`:
+        a build of decode.c (default: `build()`)."""
+        self.lib = library or build()
+        self.spin_ns = spin_us * 1000
+        self.threads = self.lib.fx_set_threads(threads, self.spin_ns)
+        cfg = model.config
+        self._keep: list = []  # every array the structures point into
+        layers = (LayerWeights * cfg.num_layers)()
+        for i, layer in enumerate(model.layers):
+            layers[i] = LayerWeights(
+                *(
+                    self._q4(w, b)
+                    for w, b in (
+                        (layer.qkv, layer.qkv_bias),
+                        (layer.o, None),
+                        (layer.gate_up, None),
+                        (layer.down, None),
+                    )
+                ),
+                *(self._floats(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)),
+            )
+        self._keep.append(layers)
+        codes, scales = head
+        scales, head_half = halved(scales)
+        cos, sin = model.cos_sin.float().chunk(2, dim=-1)
+        refine = None if head_rows is None else np.ascontiguousarray(head_rows)
+        self.weights = ModelWeights(
+            layers=cfg.num_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            inter=model.layers[0].down.shape[1],
+            vocab=cfg.vocab_size,
+            eps=cfg.rms_norm_eps,
+            scale=model.scale,
+            layer=layers,
+            final_norm=self._floats(model.norm),
+            head_codes=self._array(codes),
+            head_scales=self._array(scales),
+            head_half=int(head_half),
+            refine_rows=None if refine is None else self._array(refine),
+            refine_half=int(refine is not None and refine.dtype == np.float16),
+            refine_top=16,
+            cos=self._floats(cos),
+            sin=self._floats(sin),
+        )
+
+    def _array(self, a: np.ndarray) -> int:
+        a = np.ascontiguousarray(a)
+        self._keep.append(a)
+        return a.ctypes.data
+
+    def _floats(self, t: torch.Tensor | None) -> int | None:
+        return None if t is None else self._array(t.float().contiguous().numpy())
+
+    def _q4(self, w: Int4Weight, bias: torch.Tensor | None) -> Q4Weight:
+        codes, scales, offsets, half = q4_layout(w)
+        n, k = w.shape
+        return Q4Weight(
+            self._array(codes), self._array(scales), self._array(offsets), self._floats(bias), n, k, int(half)
+        )
+
+    def step(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: list[int], past: list[int], hidden, logits):
+        """Logits [len(rows), vocab] into `logits` for one-token rows: token i at position past[i] of cache row
+        rows[i] ([layers, rows, kv heads, capacity, head dim] float32), its embedding hidden[i]."""
+        cache = RowCacheView(k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[1], k_rows.shape[3])
+        row = np.asarray(rows, np.int64)
+        at = np.asarray(past, np.int64)
+        hidden = hidden.contiguous()
+        with _CALLS:  # a library's team and scratch serve one call at a time
+            self.lib.fx_set_threads(self.threads, self.spin_ns)
+            status = self.lib.fx_decode(
+                ctypes.byref(self.weights),
+                cache,
+                len(rows),
+                row.ctypes.data,
+                at.ctypes.data,
+                hidden.data_ptr(),
+                logits.data_ptr(),
+            )
+        if status:
+            raise RuntimeError(f"decode.c refused a step of {len(rows)} rows")

@@ -1,0 +1,180 @@
+"""The C decode step (plugins/cpu/decode.c) against the exact float32 model: numerics on every vector width, batches,
+threads, the LM head's two forms, the build and its fallbacks."""
+
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from flashnext.core.errors import UserError
+from flashnext.core.loader import load_model
+from flashnext.core.precision import Int4Weight, pack_int4
+from flashnext.plugins.cpu import kernels as cpu_kernels
+from flashnext.plugins.cpu import native
+from flashnext.plugins.cpu import runner as cpu_runner
+from numerics import step_logits
+from test_cpu_ort_graph import engine_for, greedy, nmse
+
+pytest.importorskip("onnxruntime")
+
+# Decode logits of the C step against the float32 model (the same weights, widened once): the same float32
+# arithmetic but for the summation order (observed on these models: below 1e-12; the onnxruntime graph's fp32 route
+# is at 1e-6-1e-4 for its 8-bit head).
+EXACT = 1e-9
+
+
+@pytest.fixture(scope="module")
+def q4_1_llama(tmp_path_factory):
+    from fixtures import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("q41n") / "tiny.gguf", qtype="Q4_1", head_qtype="Q8_0")
+    return load_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def f32_head_llama(tmp_path_factory):
+    from fixtures import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("q41f") / "tiny.gguf", qtype="Q4_1")
+    return load_model(str(path))
+
+
+def decode_against_fp32(loaded, prompts, steps=5, library=None, threads=None):
+    """(C step's logits, the float32 model's) over `steps` decode steps on the same tokens; the prompt's own logits
+    (an onnxruntime prefill) are left out. The float32 model: the torch route with its int4 weights widened to
+    float32 (instead of its float16), so exactly the values the C step computes from."""
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (cpu_kernels, cpu_runner):  # the widened projections and the head's copy
+            patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
+        exact = step_logits(engine_for(loaded, "torch"), prompts, steps)
+    engine = engine_for(loaded, "native")
+    assert engine.runner.route == "native"
+    graph = engine.runner._graph()
+    if library is not None:
+        graph.native.lib = library
+    if threads is not None:
+        graph.native.threads = threads
+    calls = []
+    step = graph.native.step
+    graph.native.step = lambda *a: calls.append(len(a[2])) or step(*a)
+    got = step_logits(engine, prompts, steps, forced=greedy(exact))
+    assert calls == [len(prompts)] * steps  # every decode step went through the C step, the whole batch at once
+    return got[1:], exact[1:]
+
+
+def test_decode_is_the_float32_models_on_asymmetric_q4_1_codes(q4_1_llama):
+    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11]])
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+def test_decode_is_the_float32_models_with_qk_norm_and_fp32_scales(tiny_qwen3):
+    # The checkpoint's float32 head is not its 8-bit codes: the top logits are refined, the rest within its rounding.
+    got, exact = decode_against_fp32(load_model(str(tiny_qwen3)), [list(range(3, 20))])
+    for a, b in zip(got, exact):
+        top = a.topk(4, dim=-1).indices
+        assert (a.gather(-1, top) - b.gather(-1, top)).abs().max() < 1e-5
+        assert nmse(a, b) < 1e-4, nmse(a, b)
+
+
+def test_a_batch_of_different_lengths_decodes_as_the_float32_model(q4_1_llama):
+    # Several rows take the multi-token kernels (each group's values widened once for every row).
+    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5], list(range(4, 40))])
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_team_size_decodes_as_the_float32_model(q4_1_llama, threads):
+    # Two and three threads split rows and a context's positions (a short one leaves a thread no positions).
+    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7], list(range(4, 60))], threads=threads)
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+def test_decode_past_the_row_caches_first_capacity(q4_1_llama):
+    # 250 prompt positions and 10 steps: the row cache doubles from 256 positions mid-decode (its buffers move).
+    got, exact = decode_against_fp32(q4_1_llama, [list(range(3, 253))], steps=10)
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+X86_VARIANTS = {8: ("-mno-avx512f",), 1: ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+@pytest.mark.parametrize("lanes", X86_VARIANTS)
+def test_the_avx2_and_plain_c_builds_decode_as_the_float32_model(q4_1_llama, lanes):
+    library = native.build(X86_VARIANTS[lanes])
+    assert library.fx_lanes() == lanes
+    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]], library=library)
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+def test_a_head_its_codes_round_gets_each_rows_top_logits_in_float32(f32_head_llama):
+    """A float32 head's 8-bit codes move every logit a little; each row's 16 largest come back as float32 dot
+    products of the head's own rows."""
+    got, exact = decode_against_fp32(f32_head_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]])
+    for a, b in zip(got, exact):
+        top = a.topk(4, dim=-1).indices
+        refined = (a.gather(-1, top) - b.gather(-1, top)).abs().max().item()
+        others = (a - b).abs().max().item()
+        assert refined < 1e-5 and others > 10 * refined, (refined, others)
+
+
+def random_int4(n, k, group, seed=0, half=True) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1
+    offsets = -8 * scales + torch.randn(n, k // group, generator=g) * 0.01
+    if half:
+        scales, offsets = scales.half().float(), offsets.half().float()
+    return Int4Weight(pack_int4(q), scales, offsets, group)
+
+
+@pytest.mark.parametrize(("group", "half"), [(32, True), (32, False), (64, True), (128, False)])
+def test_the_c_layout_gives_back_the_weights_values(group, half):
+    w = random_int4(8, 256, group, half=half)
+    codes, scales, offsets, is_half = native.q4_layout(w)
+    assert is_half == half and scales.dtype == (np.float16 if half else np.float32)
+    q = np.concatenate([codes & 15, codes >> 4], axis=-1).astype(np.float32)  # [n, k/32, 32] in element order
+    values = q * scales.astype(np.float32)[..., None] + offsets.astype(np.float32)[..., None]
+    np.testing.assert_allclose(values.reshape(8, 256), w.dequantize().numpy(), rtol=0, atol=1e-6)
+
+
+def test_a_second_build_loads_the_cached_library_without_compiling(monkeypatch):
+    first = native.build()
+    native.build.cache_clear()
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    second = native.build()
+    assert second._name == first._name and second.fx_lanes() == first.fx_lanes()
+
+
+def test_without_a_compiler_auto_runs_the_graph_and_native_names_the_reason(q4_1_llama, monkeypatch):
+    native.build.cache_clear()
+    monkeypatch.setattr(native, "compilers", lambda: [])
+    try:
+        runner = engine_for(q4_1_llama, "auto").runner
+        assert runner.route == "onnxruntime" and "no C compiler found" in runner.route_reason
+        with pytest.raises(UserError, match="int4_route = native cannot run here: the C step did not build"):
+            engine_for(q4_1_llama, "native")
+    finally:
+        native.build.cache_clear()
+
+
+def test_a_compiler_that_fails_is_named_in_the_reason(monkeypatch, tmp_path):
+    native.build.cache_clear()
+    monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "compilers", lambda: [["false"]])
+    try:
+        with pytest.raises(native.BuildError, match="false: no message"):
+            native.build()
+    finally:
+        native.build.cache_clear()
+
+
+def test_auto_picks_the_c_step_where_it_builds(q4_1_llama):
+    runner = engine_for(q4_1_llama, "auto").runner
+    assert runner.route == "native" and "C step built for this CPU" in runner.route_reason
