@@ -178,3 +178,34 @@ def test_a_compiler_that_fails_is_named_in_the_reason(monkeypatch, tmp_path):
 def test_auto_picks_the_c_step_where_it_builds(q4_1_llama):
     runner = engine_for(q4_1_llama, "auto").runner
     assert runner.route == "native" and "C step built for this CPU" in runner.route_reason
+
+
+def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama):
+    clean = step_logits(engine_for(q4_1_llama, "native"), [[5, 6, 7]], 3)
+    engine = engine_for(q4_1_llama, "native")
+    engine.runner.k_cache.fill_(float("nan"))  # memory the allocator handed over holds anything
+    engine.runner.v_cache.fill_(float("nan"))
+    rows = engine.runner._graph().rows
+    rows.reserve(2, 8)
+    rows.k.fill_(float("nan"))
+    rows.v.fill_(float("nan"))
+    dirty = step_logits(engine, [[5, 6, 7]], 3, forced=greedy(clean))
+    for a, b in zip(dirty, clean):
+        assert torch.equal(a, b)
+
+
+def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama):
+    """A second request on a cached prefix starts its row from the paged cache; n-gram verify steps run through the
+    graph between the C step's decode steps: the tokens stay the float32 model's."""
+    from flashnext.core.engine.sequence import SamplingParams
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    params = SamplingParams(max_tokens=16)
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (cpu_kernels, cpu_runner):
+            patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
+        want = engine_for(q4_1_llama, "torch").generate([prompt], params)[0].output_ids
+    cached = engine_for(q4_1_llama, "native", prefix_caching=True)
+    assert [cached.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]
+    speculating = engine_for(q4_1_llama, "native", spec="ngram", spec_tokens=3)
+    assert speculating.generate([prompt], params)[0].output_ids == want
