@@ -54,7 +54,7 @@ def decode_against_fp32(loaded, prompts, steps=5, library=None, threads=None):
     if library is not None:
         graph.native.lib = library
     if threads is not None:
-        graph.native.threads = threads
+        graph.native.team = native.TeamSize(threads)
     calls = []
     step = graph.native.step
     graph.native.step = lambda *a: calls.append(len(a[2])) or step(*a)
@@ -209,3 +209,42 @@ def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama
     assert [cached.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]
     speculating = engine_for(q4_1_llama, "native", spec="ngram", spec_tokens=3)
     assert speculating.generate([prompt], params)[0].output_ids == want
+
+
+def run_team(team: native.TeamSize, calls: int, seconds_at) -> list[int]:
+    sizes = []
+    for _ in range(calls):
+        sizes.append(team.size_for(1))
+        team.took(seconds_at(sizes[-1]))
+    return sizes
+
+
+def test_a_quiet_team_keeps_all_its_threads_and_tries_no_other_size():
+    team = native.TeamSize(4)
+    assert set(run_team(team, 1000, lambda n: 1.0 / n)) == {4}
+
+
+def test_the_team_shrinks_when_a_neighbour_slows_it_and_grows_back_when_it_leaves():
+    team = native.TeamSize(2)
+    run_team(team, 50, lambda n: 1.0 / n)  # quiet: 2 threads twice as fast as one
+    sizes = run_team(team, 3, lambda n: 1.5 if n == 2 else 1.0)  # a neighbour takes a core
+    assert sizes == [2, 1, 1] and team.size == 1  # the slow call, then one thread tried and kept
+    sizes = run_team(team, 2 * native.TeamSize.PROBE_UP_EVERY, lambda n: 1.5 if n == 2 else 1.0)
+    assert team.size == 1 and sizes.count(2) == 2  # two threads tried now and then, not kept
+    run_team(team, native.TeamSize.PROBE_UP_EVERY, lambda n: 1.0 / n)  # the neighbour left
+    assert team.size == 2
+
+
+def test_a_slow_call_that_one_thread_fewer_does_not_beat_changes_nothing():
+    team = native.TeamSize(2)
+    run_team(team, 50, lambda n: 1.0 / n)
+    sizes = run_team(team, 1, lambda n: 0.8) + run_team(team, 100, lambda n: 1.0 / n)  # a one-off slow call
+    assert sizes[:2] == [2, 1] and team.size == 2 and set(sizes[2:]) == {2}
+
+
+def test_another_batch_size_starts_its_own_average():
+    team = native.TeamSize(2)
+    run_team(team, 50, lambda n: 1.0 / n)
+    assert team.size_for(4) == 2 and team.usual is None
+    team.took(5.0)  # a batch of four is slower than one, but not slow for its size
+    assert team.size_for(4) == 2

@@ -26,6 +26,9 @@
 
 #define MAX_THREADS 64
 #define MAX_TOKENS 64
+#define ROWS_CHUNK 64 /* the fewest projection rows a claim takes (a multiple of 4) */
+#define HEAD_CHUNK 256 /* the fewest LM head rows a claim takes */
+#define POSITIONS_CHUNK 64 /* context positions a chunk of attention holds */
 
 /* ---- vectors: 16 lanes (AVX-512), 8 (AVX2), or 1 (plain C) ---- */
 
@@ -245,6 +248,7 @@ static struct {
     pthread_t workers[MAX_THREADS];
     atomic_int generation; /* bumped to hand the team a call */
     atomic_int arrived, passed; /* the barrier */
+    atomic_llong next; /* the next chunk of the stage in progress */
     pthread_mutex_t lock;
     pthread_cond_t wake;
     void (*job)(int thread, void *arg);
@@ -268,6 +272,7 @@ static void barrier(void) {
     int passed = atomic_load(&team.passed);
     if (atomic_fetch_add(&team.arrived, 1) == team.size - 1) {
         atomic_store(&team.arrived, 0);
+        atomic_store(&team.next, 0); /* the next stage's chunks, before anyone can claim one */
         atomic_fetch_add(&team.passed, 1);
         return;
     }
@@ -316,6 +321,7 @@ int fx_set_threads(int threads, int64_t spin_ns) {
 static void run_team(void (*job)(int, void *), void *arg) {
     team.job = job;
     team.arg = arg;
+    atomic_store(&team.next, 0);
     pthread_mutex_lock(&team.lock);
     atomic_fetch_add(&team.generation, 1);
     pthread_cond_broadcast(&team.wake);
@@ -323,12 +329,24 @@ static void run_team(void (*job)(int, void *), void *arg) {
     job(0, arg); /* ends in a barrier: every worker is done when this returns */
 }
 
-static inline void split(int64_t n, int64_t align, int thread, int64_t *start, int64_t *end) {
-    int64_t units = (n + align - 1) / align;
-    *start = units * thread / team.size * align;
-    *end = units * (thread + 1) / team.size * align;
-    if (*start > n) *start = n;
-    if (*end > n) *end = n;
+/* The next unclaimed part [start, end) of a stage's [0, n) (0 when none is left), guided: a claim takes 1 / (2 x
+   threads) of what is left, down to `least` (a multiple of 4). Threads take parts as they come free, so a thread
+   that lost its core to another process holds the others back by the part it is in, not by a fixed share of the
+   stage, while the first claims stay long runs of rows (the memory streams as with a fixed split). Every stage
+   ends in a barrier, which resets the count. */
+static inline int claim(int64_t n, int64_t least, int64_t *start, int64_t *end) {
+    long long at = atomic_load(&team.next);
+    for (;;) {
+        if (at >= n) return 0;
+        int64_t part = (n - at) / (2 * team.size);
+        part = part < least ? least : (part + 3) / 4 * 4;
+        int64_t until = at + part < n ? at + part : n;
+        if (atomic_compare_exchange_weak(&team.next, &at, until)) {
+            *start = at;
+            *end = until;
+            return 1;
+        }
+    }
 }
 
 /* ---- kernels ---- */
@@ -466,7 +484,8 @@ typedef struct {
     float *logits;
     /* shared stage outputs */
     float *qkv, *o, *act, *down, *final;
-    float *partial; /* [threads][tokens][heads][head_dim + 2]: a chunk's attention output, max and sum */
+    float *partial; /* [chunks of every token][heads][head_dim + 2]: a chunk's attention output, max and sum */
+    int64_t first_chunk[MAX_TOKENS + 1]; /* token t's attention chunks are first_chunk[t] .. first_chunk[t + 1] - 1 */
     /* per thread */
     float *local; /* [threads][local_floats] */
     int64_t local_floats;
@@ -566,8 +585,7 @@ static void decode_job(int thread, void *arg) {
     for (int64_t l = 0; l < mw->layers; l++) {
         const layer_weights *w = mw->layer + l;
         for (int t = 0; t < tokens; t++) rmsnorm(b.residual + t * h, w->input_norm, h, mw->eps, b.normed + t * h);
-        split(qkv_n, 4, thread, &start, &end);
-        q4_rows(&w->qkv, start, end, tokens, b.normed, s->qkv, qkv_n);
+        while (claim(qkv_n, ROWS_CHUNK, &start, &end)) q4_rows(&w->qkv, start, end, tokens, b.normed, s->qkv, qkv_n);
         barrier();
         for (int t = 0; t < tokens; t++) { /* this thread's copy of the step's queries and new keys / values */
             const float *row = s->qkv + t * qkv_n;
@@ -585,23 +603,27 @@ static void decode_job(int thread, void *arg) {
                 if (w->k_norm) rmsnorm(k, w->k_norm, d, mw->eps, k);
                 rope(k, cos, sin, d);
             }
-            int64_t positions = s->past[t] + 1;
-            split(positions, 16, thread, &start, &end);
-            float *part = s->partial + ((int64_t)thread * tokens + t) * heads * (d + 2);
-            attend_chunk(s, (int)l, t, start, end, &b, part);
+        }
+        int64_t chunk, all = s->first_chunk[tokens];
+        while ((chunk = atomic_fetch_add(&team.next, 1)) < all) { /* one chunk a claim: they are few */
+            int t = 0;
+            while (s->first_chunk[t + 1] <= chunk) t++;
+            start = (chunk - s->first_chunk[t]) * POSITIONS_CHUNK;
+            end = start + POSITIONS_CHUNK < s->past[t] + 1 ? start + POSITIONS_CHUNK : s->past[t] + 1;
+            attend_chunk(s, (int)l, t, start, end, &b, s->partial + chunk * heads * (d + 2));
         }
         barrier();
         for (int t = 0; t < tokens; t++) { /* every thread merges the chunks into its own copy */
             for (int64_t i = 0; i < heads; i++) {
                 float top = -INFINITY, total = 0.0f;
-                for (int c = 0; c < team.size; c++) {
-                    const float *part = s->partial + ((int64_t)c * tokens + t) * heads * (d + 2) + i * (d + 2);
+                for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
+                    const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
                     if (part[d] > top) top = part[d];
                 }
                 float *out = b.attn + t * qs + i * d;
                 memset(out, 0, d * sizeof(float));
-                for (int c = 0; c < team.size; c++) {
-                    const float *part = s->partial + ((int64_t)c * tokens + t) * heads * (d + 2) + i * (d + 2);
+                for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
+                    const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
                     if (part[d + 1] == 0.0f) continue;
                     float f = expf(part[d] - top);
                     total += f * part[d + 1];
@@ -620,44 +642,42 @@ static void decode_job(int thread, void *arg) {
                 }
             }
         }
-        split(h, 4, thread, &start, &end);
-        q4_rows(&w->o, start, end, tokens, b.attn, s->o, h);
+        while (claim(h, ROWS_CHUNK, &start, &end)) q4_rows(&w->o, start, end, tokens, b.attn, s->o, h);
         barrier();
         for (int t = 0; t < tokens; t++) {
             float *res = b.residual + t * h;
             for (int64_t i = 0; i < h; i++) res[i] += s->o[t * h + i];
             rmsnorm(res, w->post_norm, h, mw->eps, b.normed + t * h);
         }
-        /* gate rows [start, end) and the same up rows: this thread's part of SiLU(gate) * up */
-        split(inter, 4, thread, &start, &end);
+        /* gate rows [start, end) and the same up rows: SiLU(gate) * up of those rows */
         q4_weight gate = w->gate_up, up = w->gate_up;
         int64_t groups = w->gate_up.k / 32, sz = w->gate_up.half ? 2 : 4;
         up.codes += inter * groups * 16;
         up.scales = (const char *)up.scales + inter * groups * sz;
         up.offsets = (const char *)up.offsets + inter * groups * sz;
         if (up.bias) up.bias += inter;
-        for (int64_t r0 = start; r0 < end; r0 += 64) {
-            int64_t r1 = r0 + 64 < end ? r0 + 64 : end;
-            float g[MAX_TOKENS * 64], u[MAX_TOKENS * 64];
-            q4_rows(&gate, r0, r1, tokens, b.normed, g - r0, 64);
-            q4_rows(&up, r0, r1, tokens, b.normed, u - r0, 64);
-            for (int t = 0; t < tokens; t++)
-                for (int64_t r = r0; r < r1; r++) {
-                    float gv = g[t * 64 + r - r0];
-                    s->act[t * inter + r] = gv / (1.0f + expf(-gv)) * u[t * 64 + r - r0];
-                }
+        while (claim(inter, ROWS_CHUNK, &start, &end)) {
+            for (int64_t r0 = start; r0 < end; r0 += ROWS_CHUNK) { /* gate's rows, then up's, while x is in cache */
+                int64_t r1 = r0 + ROWS_CHUNK < end ? r0 + ROWS_CHUNK : end;
+                float g[MAX_TOKENS * ROWS_CHUNK], u[MAX_TOKENS * ROWS_CHUNK];
+                q4_rows(&gate, r0, r1, tokens, b.normed, g - r0, ROWS_CHUNK);
+                q4_rows(&up, r0, r1, tokens, b.normed, u - r0, ROWS_CHUNK);
+                for (int t = 0; t < tokens; t++)
+                    for (int64_t r = r0; r < r1; r++) {
+                        float gv = g[t * ROWS_CHUNK + r - r0];
+                        s->act[t * inter + r] = gv / (1.0f + expf(-gv)) * u[t * ROWS_CHUNK + r - r0];
+                    }
+            }
         }
         barrier();
-        split(h, 4, thread, &start, &end);
-        q4_rows(&w->down, start, end, tokens, s->act, s->down, h);
+        while (claim(h, ROWS_CHUNK, &start, &end)) q4_rows(&w->down, start, end, tokens, s->act, s->down, h);
         barrier();
         for (int t = 0; t < tokens; t++)
             for (int64_t i = 0; i < h; i++) b.residual[t * h + i] += s->down[t * h + i];
     }
     for (int t = 0; t < tokens; t++) rmsnorm(b.residual + t * h, mw->final_norm, h, mw->eps, b.normed + t * h);
     if (thread == 0) memcpy(s->final, b.normed, tokens * h * sizeof(float));
-    split(mw->vocab, 4, thread, &start, &end);
-    head_rows(mw, start, end, tokens, b.normed, s->logits);
+    while (claim(mw->vocab, HEAD_CHUNK, &start, &end)) head_rows(mw, start, end, tokens, b.normed, s->logits);
     barrier();
 }
 
@@ -721,7 +741,11 @@ int fx_decode(const model_weights *mw, row_cache cache, int tokens, const int64_
                     .logits = logits};
     int64_t h = mw->hidden, qs = mw->heads * mw->head_dim, kvs = mw->kv_heads * mw->head_dim;
     int64_t qkv_n = qs + 2 * kvs;
-    int64_t partial = (int64_t)team.size * tokens * mw->heads * (mw->head_dim + 2);
+    for (int t = 0; t < tokens; t++) {
+        if (past[t] < 0 || past[t] >= cache.capacity || row[t] < 0 || row[t] >= cache.rows) return -1;
+        s.first_chunk[t + 1] = s.first_chunk[t] + past[t] / POSITIONS_CHUNK + 1; /* past + 1 positions */
+    }
+    int64_t partial = s.first_chunk[tokens] * mw->heads * (mw->head_dim + 2);
     int64_t shared = tokens * (qkv_n + h + mw->inter + h + h) + partial;
     float *p = grown(&scratch.shared, &scratch.shared_floats, shared);
     s.local_floats = local_floats(mw, tokens, cache.capacity);

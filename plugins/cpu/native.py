@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,45 @@ def halved(a: np.ndarray) -> tuple[np.ndarray, bool]:
     return (a.astype(np.float16), True) if exact_in_half(a) else (a, False)
 
 
+class TeamSize:
+    """How many of its threads the C step runs on: all of them, unless fewer run faster. A busy neighbour that takes
+    a core stalls every barrier of a step whose thread shares that core with it (SmolLM2 at 2 threads beside a busy
+    loop: 39-50 tok/s, against 64 on one thread and 116 quiet). So a call that takes over SLOW times the usual (a
+    running average of this batch size's calls) has the next call try one thread fewer, and with fewer threads than
+    all, every PROBE_UP_EVERY-th call tries one more; a tried size is kept where its call took under MARGIN of the
+    time it is weighed against (the slow call, or the usual). A quiet machine pays nothing: no call is slow."""
+
+    SLOW = 1.3
+    MARGIN = 0.85
+    PROBE_UP_EVERY = 64
+
+    def __init__(self, most: int):
+        self.most = self.size = most
+        self.batch, self.usual, self.calls = None, None, 0
+        self.probe = self.against = self.slow = None
+
+    def size_for(self, batch: int) -> int:
+        if batch != self.batch:  # another batch size: other step times
+            self.batch, self.usual, self.slow, self.calls = batch, None, None, 0
+        self.calls += 1
+        self.probe = None
+        if self.slow is not None and self.size > 1:
+            self.probe, self.against = self.size - 1, self.slow
+        elif self.size < self.most and self.usual is not None and self.calls % self.PROBE_UP_EVERY == 0:
+            self.probe, self.against = self.size + 1, self.usual
+        self.slow = None
+        return self.probe or self.size
+
+    def took(self, seconds: float) -> None:
+        if self.probe is not None:
+            if seconds < self.MARGIN * self.against:
+                self.size, self.usual = self.probe, seconds
+            return
+        if self.usual is not None and seconds > self.SLOW * self.usual:
+            self.slow = seconds
+        self.usual = seconds if self.usual is None else 0.9 * self.usual + 0.1 * seconds
+
+
 class NativeDecoder:
     """The model's layers and LM head as decode.c reads them, and one-token steps through it."""
 
@@ -239,7 +279,7 @@ class NativeDecoder:
         a build of decode.c (default: `build()`)."""
         self.lib = library or build()
         self.spin_ns = spin_us * 1000
-        self.threads = self.lib.fx_set_threads(threads, self.spin_ns)
+        self.team = TeamSize(self.lib.fx_set_threads(threads, self.spin_ns))
         cfg = model.config
         self._keep: list = []  # every array the structures point into
         layers = (LayerWeights * cfg.num_layers)()
@@ -306,7 +346,8 @@ class NativeDecoder:
         at = np.asarray(past, np.int64)
         hidden = hidden.contiguous()
         with _CALLS:  # a library's team and scratch serve one call at a time
-            self.lib.fx_set_threads(self.threads, self.spin_ns)
+            self.lib.fx_set_threads(self.team.size_for(len(rows)), self.spin_ns)
+            start = time.perf_counter()
             status = self.lib.fx_decode(
                 ctypes.byref(self.weights),
                 cache,
@@ -316,5 +357,6 @@ class NativeDecoder:
                 hidden.data_ptr(),
                 logits.data_ptr(),
             )
+            self.team.took(time.perf_counter() - start)
         if status:
             raise RuntimeError(f"decode.c refused a step of {len(rows)} rows")
