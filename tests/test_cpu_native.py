@@ -248,3 +248,19 @@ def test_another_batch_size_starts_its_own_average():
     assert team.size_for(4) == 2 and team.usual is None
     team.took(5.0)  # a batch of four is slower than one, but not slow for its size
     assert team.size_for(4) == 2
+
+
+def test_a_prompts_logits_come_from_the_c_steps_head_in_float32(q4_1_llama):
+    """With the C step the graph stops at the final hidden states (onnxruntime keeps no copy of the head) and the
+    prompt's logits are the C head's: the float32 model's, as the decode steps'."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40))]
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (cpu_kernels, cpu_runner):
+            patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
+        exact = step_logits(engine_for(q4_1_llama, "torch"), prompts, 0)[0]
+    engine = engine_for(q4_1_llama, "native", max_num_batched_tokens=16)  # the longer prompt in three chunks
+    got = step_logits(engine, prompts, 0)[0]
+    graph = engine.runner._graph()
+    assert [o.name for o in graph.session.get_outputs()][0] == "final"
+    assert not any("head" in name for name in graph.constants.arrays)
+    assert nmse(got, exact) < EXACT, nmse(got, exact)

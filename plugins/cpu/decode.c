@@ -764,5 +764,30 @@ int fx_decode(const model_weights *mw, row_cache cache, int tokens, const int64_
     return 0;
 }
 
+typedef struct {
+    const model_weights *mw;
+    int tokens;
+    const float *x;
+    float *logits;
+} head_state;
+
+static void head_job(int thread, void *arg) {
+    (void)thread;
+    head_state *s = arg;
+    int64_t start, end;
+    while (claim(s->mw->vocab, HEAD_CHUNK, &start, &end)) head_rows(s->mw, start, end, s->tokens, s->x, s->logits);
+    barrier();
+}
+
+/* Logits [tokens][vocab] of final (normed) hidden states x [tokens][hidden]: the head of prompt chunks, whose
+   layers run elsewhere. */
+int fx_head(const model_weights *mw, int tokens, const float *x, float *logits) {
+    if (tokens < 1 || tokens > MAX_TOKENS || mw->hidden % 32 || mw->hidden > 32768) return -1;
+    head_state s = {.mw = mw, .tokens = tokens, .x = x, .logits = logits};
+    run_team(head_job, &s);
+    if (mw->refine_rows) refine(mw, tokens, x, logits);
+    return 0;
+}
+
 /* Floats a vector holds in this build: 16 (AVX-512), 8 (AVX2) or 1 (plain C). */
 int fx_lanes(void) { return LANES; }

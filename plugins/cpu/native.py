@@ -126,6 +126,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.fx_decode.restype = ctypes.c_int
     lib.fx_lanes.restype = ctypes.c_int
+    lib.fx_head.argtypes = [ctypes.POINTER(ModelWeights), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.fx_head.restype = ctypes.c_int
     return lib
 
 
@@ -360,3 +362,15 @@ class NativeDecoder:
             self.team.took(time.perf_counter() - start)
         if status:
             raise RuntimeError(f"decode.c refused a step of {len(rows)} rows")
+
+    def head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Logits [rows, vocab] into `logits` of final hidden states [rows, hidden size] (after the final norm)."""
+        hidden = hidden.contiguous()
+        for first in range(0, len(hidden), MAX_TOKENS):
+            part = slice(first, first + MAX_TOKENS)
+            rows, out = hidden[part], logits[part]
+            with _CALLS:
+                self.lib.fx_set_threads(self.team.size, self.spin_ns)
+                status = self.lib.fx_head(ctypes.byref(self.weights), len(rows), rows.data_ptr(), out.data_ptr())
+            if status:
+                raise RuntimeError(f"decode.c refused a head call of {len(rows)} rows")

@@ -207,7 +207,9 @@ class OrtModel:
         options.log_severity_level = 3
         # The arena reuses a prompt chunk's activation buffers; without it glibc keeps what they freed resident.
         options.enable_cpu_mem_arena = True
-        builder = GraphBuilder(model, ROUNDED[activations])
+        # With the C step, the graph stops at the final hidden states and the C step computes the head: onnxruntime
+        # then keeps no packed copy of it (30 MiB on SmolLM2), and prompts' logits are float32 too.
+        builder = GraphBuilder(model, ROUNDED[activations], with_head=not native_decode)
         graph = builder.build().SerializeToString()
         # onnxruntime reads these by address and must have them for the session's life (it builds its own packed
         # copies from them): in a file, they take no memory once the session is built.
@@ -238,7 +240,7 @@ class OrtModel:
         # One binding for the step's one-token rows, one for a longer piece: each binds the cache rows again only
         # when its rows or the buffers changed, and its inputs and output only when their shapes did.
         self.bindings = {kind: Bound(self.session.io_binding()) for kind in ("group", "one")}
-        head = self.head_rows
+        head = self.head_rows if self.native is None else None  # the graph's input where it has the head
         for bound in self.bindings.values():  # the head's rows stay where they are: bound once
             if head is not None:
                 bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
@@ -303,12 +305,16 @@ class OrtModel:
         if self.rope_outside:
             bound.inputs["positions"][:, 0] = [q for p in pieces for q in range(p.past, p.past + tokens)]
         self.session.run_with_iobinding(bound.binding)
+        out = bound.out
+        if self.native is not None:  # the graph gave the final hidden states: their logits from the C step's head
+            out = torch.empty(len(wanted), self.vocab)
+            self.native.head(bound.out, out)
         start = 0
         for i, p in enumerate(pieces):
             slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
             self.rows.write_back(first_row + i, p.past, slots, *paged)
             if p.logits:
-                logits[p.logits_first : p.logits_first + p.logits] = bound.out[start : start + p.logits]
+                logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
             start += max(p.logits, 1)
 
     def _native_call(self, pieces, hidden, meta, paged, block_size, logits) -> None:
@@ -351,8 +357,12 @@ class OrtModel:
                 bound.inputs["positions"] = np.empty((n * tokens, 1), np.int64)
             for name, a in bound.inputs.items():
                 binding.bind_input(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
-            bound.out = torch.empty(wanted, self.vocab)
-            binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
+            if self.native is None:
+                bound.out = torch.empty(wanted, self.vocab)
+                binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
+            else:
+                bound.out = torch.empty(wanted, self.hidden_size)
+                binding.bind_output("final", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
             bound.shape_key = (n, tokens, wanted)
         return bound
 
@@ -431,9 +441,12 @@ class GraphBuilder:
     """Writes the graph node by node (onnx.helper), weights as initializers. Activations are [tokens, width]
     ([B, S, width] around GroupQueryAttention), as Gemm wants them for the offset terms."""
 
-    def __init__(self, model: DecoderModel, rounded: tuple[str, ...] = ()):
+    def __init__(self, model: DecoderModel, rounded: tuple[str, ...] = (), with_head: bool = True):
+        """`with_head`: the graph ends in the LM head's logits ("logits"), else in the final hidden states of the
+        rows whose logits are wanted ("final"; the head's codes are still made, for whoever computes it)."""
         self.model, self.cfg = model, model.config
-        self.rounded = rounded
+        self.rounded, self.with_head = rounded, with_head
+        self.head_names: tuple = (None, None)  # the head's codes and scales as graph constants, where it has them
         self.nodes, self.inits, self._n, self._group_ones = [], [], 0, {}
         self.external: dict[str, np.ndarray] = {}
 
@@ -506,8 +519,17 @@ class GraphBuilder:
         return self._group_ones[(k, g)]
 
     def head(self, x: str) -> str:
-        """The LM head over x as 8-bit codes: per block of HEAD_BLOCK inputs, scale = largest |w| / 127, codes
-        round(w / scale) + 128 (zero point 128). A Q8_0 head (its largest code 127 a block) comes back exactly."""
+        """The LM head over x as 8-bit codes (`head_codes`)."""
+        self.head_codes()
+        self.head_names = tuple(self.const(a, stem) for a, stem in zip(self.head_arrays, ("head_codes", "head_scales")))
+        n, k = head_weight(self.model).shape
+        attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
+        return self.one("MatMulNBits", [x, *self.head_names], domain=MS_DOMAIN, **attrs)
+
+    def head_codes(self) -> None:
+        """The LM head as 8-bit codes (`head_arrays`): per block of HEAD_BLOCK inputs, scale = largest |w| / 127,
+        codes round(w / scale) + 128 (zero point 128). A Q8_0 head (its largest code 127 a block) comes back exactly
+        (`head_exact`)."""
         w = head_weight(self.model)
         n, k = w.shape
         codes = torch.empty(n, k // HEAD_BLOCK, HEAD_BLOCK, dtype=torch.uint8)
@@ -519,9 +541,6 @@ class GraphBuilder:
             codes[part], scales[part] = _head_codes(blocks)
             self.head_exact = self.head_exact and torch.equal(head_values(codes[part], scales[part]), blocks)
         self.head_arrays = codes.numpy(), scales.numpy()
-        self.head_names = tuple(self.const(a, stem) for a, stem in zip(self.head_arrays, ("head_codes", "head_scales")))
-        attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
-        return self.one("MatMulNBits", [x, *self.head_names], domain=MS_DOMAIN, **attrs)
 
     def refine(self, logits: str, x: str) -> str:
         """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32:
@@ -586,7 +605,11 @@ class GraphBuilder:
             residual, hidden = self.layer(i, residual, hidden)
         out, _ = self.add_rmsnorm(hidden, residual, self.model.norm)
         wanted = self.one("Gather", [out, "logit_rows"], axis=0)
-        self.nodes.append(helper.make_node("Identity", [self.refine(self.head(wanted), wanted)], ["logits"]))
+        if self.with_head:
+            self.nodes.append(helper.make_node("Identity", [self.refine(self.head(wanted), wanted)], ["logits"]))
+        else:
+            self.head_codes()
+            self.nodes.append(helper.make_node("Identity", [wanted], ["final"]))
         f32, i32 = TensorProto.FLOAT, TensorProto.INT32
         kv, d = cfg.num_kv_heads, cfg.head_dim
         run = ["batch", kv, "capacity", d]
@@ -600,13 +623,14 @@ class GraphBuilder:
         ]
         if cfg.qk_norm:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
-        if not self.head_exact:
+        if self.with_head and not self.head_exact:
             head = head_weight(self.model)
             head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
             inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))
-        outputs = [
-            helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size]),
-        ]
+        if self.with_head:
+            outputs = [helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size])]
+        else:
+            outputs = [helper.make_tensor_value_info("final", f32, ["wanted", cfg.hidden_size])]
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", f32, run))
