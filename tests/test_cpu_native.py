@@ -264,3 +264,10 @@ def test_a_prompts_logits_come_from_the_c_steps_head_in_float32(q4_1_llama):
     assert [o.name for o in graph.session.get_outputs()][0] == "final"
     assert not any("head" in name for name in graph.constants.arrays)
     assert nmse(got, exact) < EXACT, nmse(got, exact)
+
+
+def test_auto_leaves_a_build_without_vectors_to_the_graph(q4_1_llama, monkeypatch):
+    monkeypatch.setattr(native, "vectorized", lambda: False)
+    runner = engine_for(q4_1_llama, "auto").runner
+    assert runner.route == "onnxruntime" and "no vector path for this CPU" in runner.route_reason
+    assert engine_for(q4_1_llama, "native").runner.route == "native"

@@ -73,6 +73,12 @@ def unavailable(model: DecoderModel) -> str | None:
     return reason
 
 
+def vectorized() -> bool:
+    """Whether this CPU's build has a vector path (AVX-512 or AVX2); the plain-C one is for `int4_route = native`
+    only: `auto` then prefers the onnxruntime graph, whose kernels have paths for every CPU it ships for."""
+    return build().fx_lanes() > 1
+
+
 @functools.cache
 def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The compiled step, from the cache folder or built now (once a process). `extra_flags` follow -march=native

@@ -143,6 +143,8 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
         reason = "batch_invariant asks for fixed per-row arithmetic"
     if reason is None and choice in ("auto", "native"):
         missing = native.unavailable(model)
+        if missing is None and choice == "auto" and not native.vectorized():
+            missing = "its build has no vector path for this CPU (int4_route = native runs it anyway)"
         if missing is None:
             return "native", (
                 "int4 decode steps through flashnext's C step built for this CPU, float32 activations; prompt chunks"
