@@ -211,6 +211,9 @@ def run(
     if explain:
         _explain(llm.info.entries, llm.info.backend)
         print(f"threads: {llm.threads.reason}", file=sys.stderr)
+        steps = llm.engine.runner.steps_explained()
+        if steps:
+            print(f"steps: {steps}", file=sys.stderr)
     ids = llm.encode(text, chat=chat)
     warning = llm.engine.max_tokens_notice(params.max_tokens)  # the profile's max_tokens_cap, as HTTP says it
     if warning and not as_json:

@@ -248,6 +248,26 @@ def test_explain_prints_every_probe_verdict(tiny_llama):
     assert "cpu" in result.stderr
 
 
+def test_explain_names_how_int4_steps_run(tiny_llama):
+    result = invoke(
+        "run",
+        "hi",
+        "--backend",
+        "cpu",
+        "--model",
+        str(tiny_llama),
+        "--precision",
+        "int4",
+        "--max-tokens",
+        "2",
+        "--explain",
+    )
+    assert result.exit_code == 0
+    assert "steps: int4_route " in result.stderr
+    fp32 = invoke("run", "hi", "--backend", "cpu", "--model", str(tiny_llama), "--max-tokens", "2", "--explain")
+    assert fp32.exit_code == 0 and "steps:" not in fp32.stderr  # nothing beyond the backend's choice
+
+
 @pytest.mark.slow
 def test_the_readme_first_command_answers_cleanly():
     """The README's promise, as a user runs it: its own command line, the console script, the embedded model."""

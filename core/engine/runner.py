@@ -83,6 +83,10 @@ class Runner(ABC):
     def stats(self) -> RunnerStats:
         return RunnerStats()
 
+    def steps_explained(self) -> str | None:
+        """How this runner runs steps and why, for `run --explain` (None: nothing beyond the backend's choice)."""
+        return None
+
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes one KV block takes, for the engine's memory budget."""

@@ -63,6 +63,11 @@ class CpuRunner(ModelRunner):
         finally:
             torch.set_num_threads(threads)
 
+    def steps_explained(self) -> str | None:
+        if self.model.precision.name != "int4":
+            return None
+        return f"int4_route {self.route}: {self.route_reason}"
+
     def _graph(self) -> ort_graph.OrtModel:
         if self.graph is None:
             start = time.perf_counter()
