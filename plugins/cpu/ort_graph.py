@@ -49,6 +49,7 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
 HEAD_BLOCK, HEAD_ACCURACY, REFINE_TOP = 32, 4, 16
 HEAD_ROWS_AT_ONCE = 4096
 MS_DOMAIN = "com.microsoft"
+UNBOUNDED_SPIN_US = 1_000_000  # the C step's idle spin where the pool's is unbounded: longer than any step's gap
 # Constants this large reach onnxruntime as arrays it reads in place (the Int4Weights' own codes and scales, no copy
 # in the graph's bytes or the session), not serialized into the graph.
 EXTERNAL_BYTES = 1 << 16
@@ -228,7 +229,11 @@ class OrtModel:
         del builder, head_table
         # The C step for one-token rows (plugins/cpu/native.py), made before the model's projections are let go.
         self.native = (
-            native.NativeDecoder(model, head, self.head_rows, threads, spin_us or 0) if native_decode else None
+            native.NativeDecoder(
+                model, head, self.head_rows, threads, UNBOUNDED_SPIN_US if spin_us is None else spin_us
+            )
+            if native_decode
+            else None
         )
         if release_model:
             self._release(model)
