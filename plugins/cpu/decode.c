@@ -1,16 +1,18 @@
 /* flashnext's CPU decode step: every layer and the LM head over one-token rows (one a sequence) in one call.
 
    Built at first use for the machine it runs on (-march=native) by plugins/cpu/native.py. The projections compute
-   from the Int4Weight's 4-bit codes with float32 activations: each group of 32 codes is widened to its float32
-   values (q * scale + offset, the reference's formula) in registers and dotted with x there, so a step streams
-   0.5 byte a weight plus the scale and offset (float16 where they are exact, as GGUF's Q4_0 / Q4_1 store them).
-   The LM head is the 8-bit table the onnxruntime graph uses (blocks of 32 codes with zero point 128, a scale
-   each: float16 where exact, as GGUF's Q8_0 stores it), computed in float32 too. Attention reads the graph's row cache ([layers][rows][kv heads][capacity]
-   [head dim], float32), where it also writes the step's keys and values.
+   from the Int4Weight's 4-bit codes with float32 activations: a row's dot is sum_g scale_g (q_g . x_g) + offset_g
+   sum(x_g), the codes widened to float32 in registers, so a step streams 0.5 byte a weight plus the scale and
+   offset (float16 where they are exact, as GGUF's Q4_0 / Q4_1 store them). The LM head is an 8-bit table (blocks
+   of 32 codes with zero point 128, a scale each: float16 where exact, as GGUF's Q8_0 stores it), computed in
+   float32 too; fx_head runs it alone for rows whose layers ran elsewhere (prompt chunks). Attention reads the
+   onnxruntime graph's row cache ([layers][rows][kv heads][capacity][head dim], float32), where it also writes the
+   step's keys and values.
 
    One team of threads runs a call: the caller and workers that spin briefly between calls, then sleep. Every thread
    keeps its own copy of each row's residual stream and norms it itself, so a layer has five barriers: after the
-   qkv, attention, o, gate/up and down stages, each of which splits its rows (or positions) among the team. */
+   qkv, attention, o, gate/up and down stages, whose rows (or attention's position chunks) threads claim as they
+   come free. How many threads a call uses is the caller's choice (native.py's TeamSize). */
 
 #include <math.h>
 #include <pthread.h>
