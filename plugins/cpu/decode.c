@@ -32,7 +32,9 @@
 #define HEAD_CHUNK 256 /* the fewest LM head rows a claim takes */
 #define POSITIONS_CHUNK 64 /* context positions a chunk of attention holds */
 
-/* ---- vectors: 16 lanes (AVX-512), 8 (AVX2), or 1 (plain C) ---- */
+/* ---- vectors: 16 lanes (AVX-512), 8 (AVX2), or 1 (plain C) ----
+   Each build says how to widen a group's codes to floats (q4_codes, q8_codes), how to convert float16 and, for
+   the vector builds, the pieces of e^x; the dot products, the values and e^x itself are written once below. */
 
 #if defined(__AVX512F__) && defined(__F16C__)
 #define LANES 16
@@ -44,56 +46,31 @@ static inline void vstore(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-/* A 4-bit group's 32 values into w[0..1]: codes c[j] hold element j (low nibble) and element j + 16 (high). */
-static inline void q4_values(const uint8_t *c, float d, float m, vf *w) {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    vf vd = vset(d), vm = vset(m);
-    w[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), vd, vm);
-    w[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vd, vm);
+static inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* 2^n for whole n in the normal range. */
+static inline vf vpow2(vf n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
-/* 32 8-bit codes (zero point 128) times their scale. */
-static inline void q8_values(const uint8_t *c, float s, vf *w) {
-    vf vs = vset(s), vz = vset(-128.0f * s);
-    w[0] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c))), vs, vz);
-    w[1] = vfma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), vs, vz);
-}
-/* sum_j q_j x_j over a group of 4-bit codes, lane-wise: the nibbles index a table of 0..15 (vpermps reads an index's
-   low 4 bits, so the low nibble needs no mask). */
-static inline vf q4_dot(const uint8_t *c, const vf *x) {
+/* A 4-bit group's 32 codes as floats: bytes c[j] hold element j (low nibble) and element j + 16 (high). The nibbles
+   index a table of 0..15 (vpermps reads an index's low 4 bits, so the low nibble needs no mask). */
+static inline void q4_codes(const uint8_t *c, vf *q) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    vf lo = _mm512_permutexvar_ps(b, iota), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
-    return vfma(hi, x[1], vmul(lo, x[0]));
+    q[0] = _mm512_permutexvar_ps(b, iota);
+    q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
 }
-/* sum_j c_j x_j over 32 8-bit codes as stored (zero point not taken off). */
-static inline vf q8_dot(const uint8_t *c, const vf *x) {
-    vf a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-    vf b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-    return vfma(b, x[1], vmul(a, x[0]));
+/* 32 8-bit codes as floats, as stored (zero point not taken off). */
+static inline void q8_codes(const uint8_t *c, vf *q) {
+    for (int i = 0; i < 2; i++)
+        q[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * i))));
 }
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
     for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
-}
-/* e^x for x <= 0 (softmax after its maximum is taken off); below -87 it is 0. */
-static inline vf vexp(vf x) {
-    x = _mm512_max_ps(x, vset(-87.0f));
-    vf n = _mm512_roundscale_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = vfma(n, vset(-0.693145751953125f), x);
-    r = vfma(n, vset(-1.428606765330187e-06f), r);
-    vf p = vset(1.0f / 5040);
-    p = vfma(p, r, vset(1.0f / 720));
-    p = vfma(p, r, vset(1.0f / 120));
-    p = vfma(p, r, vset(1.0f / 24));
-    p = vfma(p, r, vset(1.0f / 6));
-    p = vfma(p, r, vset(0.5f));
-    p = vfma(p, r, vset(1.0f));
-    p = vfma(p, r, vset(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return vmul(p, _mm512_castsi512_ps(e));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LANES 8
@@ -105,62 +82,34 @@ static inline void vstore(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline float vsum(vf a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-static inline void q4_values(const uint8_t *c, float d, float m, vf *w) {
+static inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vpow2(vf n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline void q4_codes(const uint8_t *c, vf *q) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)c);
     __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
     __m256i low = _mm256_set1_epi32(15);
-    vf vd = vset(d), vm = vset(m);
-    w[0] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), vd, vm);
-    w[1] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), vd, vm);
-    w[2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, vm);
-    w[3] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, vm);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
-static inline void q8_values(const uint8_t *c, float s, vf *w) {
-    vf vs = vset(s), vz = vset(-128.0f * s);
+static inline void q8_codes(const uint8_t *c, vf *q) {
     for (int i = 0; i < 4; i++)
-        w[i] = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * i)))), vs, vz);
-}
-static inline vf q4_dot(const uint8_t *c, const vf *x) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)c);
-    __m256i b0 = _mm256_cvtepu8_epi32(bytes), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    __m256i low = _mm256_set1_epi32(15);
-    vf t = vmul(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), x[0]);
-    t = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), x[1], t);
-    t = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), x[2], t);
-    return vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), x[3], t);
-}
-static inline vf q8_dot(const uint8_t *c, const vf *x) {
-    vf t = vzero();
-    for (int i = 0; i < 4; i++)
-        t = vfma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * i)))), x[i], t);
-    return t;
+        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * i))));
 }
 static inline float half_to_float(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
     for (; i < n; i++) f[i] = half_to_float(h[i]);
-}
-static inline vf vexp(vf x) {
-    x = _mm256_max_ps(x, vset(-87.0f));
-    vf n = _mm256_round_ps(vmul(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = vfma(n, vset(-0.693145751953125f), x);
-    r = vfma(n, vset(-1.428606765330187e-06f), r);
-    vf p = vset(1.0f / 5040);
-    p = vfma(p, r, vset(1.0f / 720));
-    p = vfma(p, r, vset(1.0f / 120));
-    p = vfma(p, r, vset(1.0f / 24));
-    p = vfma(p, r, vset(1.0f / 6));
-    p = vfma(p, r, vset(0.5f));
-    p = vfma(p, r, vset(1.0f));
-    p = vfma(p, r, vset(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return vmul(p, _mm256_castsi256_ps(e));
 }
 #else
 #define LANES 1
@@ -173,14 +122,14 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf vmul(vf a, vf b) { return a * b; }
 static inline vf vadd(vf a, vf b) { return a + b; }
 static inline float vsum(vf a) { return a; }
-static inline void q4_values(const uint8_t *c, float d, float m, vf *w) {
+static inline void q4_codes(const uint8_t *c, vf *q) {
     for (int j = 0; j < 16; j++) {
-        w[j] = (float)(c[j] & 15) * d + m;
-        w[j + 16] = (float)(c[j] >> 4) * d + m;
+        q[j] = (float)(c[j] & 15);
+        q[j + 16] = (float)(c[j] >> 4);
     }
 }
-static inline void q8_values(const uint8_t *c, float s, vf *w) {
-    for (int j = 0; j < 32; j++) w[j] = ((float)c[j] - 128.0f) * s;
+static inline void q8_codes(const uint8_t *c, vf *q) {
+    for (int j = 0; j < 32; j++) q[j] = (float)c[j];
 }
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
@@ -190,16 +139,6 @@ static inline float half_to_float(uint16_t h) {
     else { out.f = (float)man * (1.0f / 16777216.0f); out.u |= sign; }
     return out.f;
 }
-static inline vf q4_dot(const uint8_t *c, const vf *x) {
-    float t = 0.0f;
-    for (int j = 0; j < 16; j++) t += (float)(c[j] & 15) * x[j] + (float)(c[j] >> 4) * x[j + 16];
-    return t;
-}
-static inline vf q8_dot(const uint8_t *c, const vf *x) {
-    float t = 0.0f;
-    for (int j = 0; j < 32; j++) t += (float)c[j] * x[j];
-    return t;
-}
 static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     for (int64_t i = 0; i < n; i++) f[i] = half_to_float(h[i]);
 }
@@ -207,6 +146,61 @@ static inline vf vexp(vf x) { return x < -87.0f ? 0.0f : expf(x); }
 #endif
 
 #define PER_GROUP (32 / LANES) /* vectors a group of 32 values fills */
+
+#if LANES > 1
+/* e^x for x <= 0 (softmax after its maximum is taken off); below -87 it is 0. */
+static inline vf vexp(vf x) {
+    x = vmax(x, vset(-87.0f));
+    vf n = vround(vmul(x, vset(1.44269504f)));
+    vf r = vfma(n, vset(-0.693145751953125f), x);
+    r = vfma(n, vset(-1.428606765330187e-06f), r);
+    vf p = vset(1.0f / 5040);
+    p = vfma(p, r, vset(1.0f / 720));
+    p = vfma(p, r, vset(1.0f / 120));
+    p = vfma(p, r, vset(1.0f / 24));
+    p = vfma(p, r, vset(1.0f / 6));
+    p = vfma(p, r, vset(0.5f));
+    p = vfma(p, r, vset(1.0f));
+    p = vfma(p, r, vset(1.0f));
+    return vmul(p, vpow2(n));
+}
+#endif
+
+/* sum_j q_j x_j over a group of 32 floats (PER_GROUP vectors), lane-wise. */
+static inline vf group_dot(const vf *q, const vf *x) {
+#if PER_GROUP > 4 /* plain C: two chains, so a group's 32 multiply-adds do not wait on each other one by one */
+    vf even = vmul(q[0], x[0]), odd = vmul(q[1], x[1]);
+    for (int j = 2; j < PER_GROUP; j += 2) {
+        even = vfma(q[j], x[j], even);
+        odd = vfma(q[j + 1], x[j + 1], odd);
+    }
+    return vadd(even, odd);
+#else
+    vf t = vmul(q[0], x[0]);
+    for (int j = 1; j < PER_GROUP; j++) t = vfma(q[j], x[j], t);
+    return t;
+#endif
+}
+static inline vf q4_dot(const uint8_t *c, const vf *x) {
+    vf q[PER_GROUP];
+    q4_codes(c, q);
+    return group_dot(q, x);
+}
+static inline vf q8_dot(const uint8_t *c, const vf *x) {
+    vf q[PER_GROUP];
+    q8_codes(c, q);
+    return group_dot(q, x);
+}
+/* A 4-bit group's 32 values q * d + m. */
+static inline void q4_values(const uint8_t *c, float d, float m, vf *w) {
+    q4_codes(c, w);
+    for (int j = 0; j < PER_GROUP; j++) w[j] = vfma(w[j], vset(d), vset(m));
+}
+/* 32 8-bit codes (zero point 128) times their scale. */
+static inline void q8_values(const uint8_t *c, float s, vf *w) {
+    q8_codes(c, w);
+    for (int j = 0; j < PER_GROUP; j++) w[j] = vfma(w[j], vset(s), vset(-128.0f * s));
+}
 
 /* ---- what Python hands over (plugins/cpu/native.py mirrors these with ctypes) ---- */
 
