@@ -295,11 +295,9 @@ class OrtModel:
         """One session call: `pieces` in cache rows first_row, first_row + 1, ... (one piece if it has several
         tokens)."""
         n, tokens = len(pieces), pieces[0].tokens
-        self.rows.reserve(first_row + n, max(p.past + p.tokens for p in pieces))
+        self._rows_in(pieces, first_row, meta, paged, block_size)
         # Each piece's last `logits` rows (at least one, so no call asks for none; the extra row is dropped).
         wanted = [r for i, p in enumerate(pieces) for r in range((i + 1) * tokens - max(p.logits, 1), (i + 1) * tokens)]
-        for i, p in enumerate(pieces):
-            self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
         bound = self._bound(kind, first_row, n, tokens, len(wanted))
         token_rows = torch.cat([torch.arange(p.first, p.first + p.tokens) for p in pieces])
         torch.index_select(hidden, 0, token_rows, out=torch.from_numpy(bound.inputs["hidden"]))
@@ -314,6 +312,26 @@ class OrtModel:
         if self.native is not None:  # the graph gave the final hidden states: their logits from the C step's head
             out = torch.empty(len(wanted), self.vocab)
             self.native.head(bound.out, out)
+        self._rows_out(pieces, first_row, out, meta, paged, logits)
+
+    def _native_call(self, pieces, hidden, meta, paged, block_size, logits) -> None:
+        """One-token pieces (in cache rows 0, 1, ...) through the C step."""
+        n = len(pieces)
+        self._rows_in(pieces, 0, meta, paged, block_size)
+        inputs = hidden[[p.first for p in pieces]]
+        out = torch.empty(n, self.vocab)
+        self.native.step(self.rows.k, self.rows.v, list(range(n)), [p.past for p in pieces], inputs, out)
+        self._rows_out(pieces, 0, out, meta, paged, logits)
+
+    def _rows_in(self, pieces, first_row, meta, paged, block_size) -> None:
+        """Room in cache rows first_row, first_row + 1, ... for the pieces, each holding its sequence's past."""
+        self.rows.reserve(first_row + len(pieces), max(p.past + p.tokens for p in pieces))
+        for i, p in enumerate(pieces):
+            self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
+
+    def _rows_out(self, pieces, first_row, out, meta, paged, logits) -> None:
+        """After a call: each piece's new keys and values out to its paged slots, its logits rows (`out` holds
+        max(logits, 1) rows a piece) into the step's `logits`."""
         start = 0
         for i, p in enumerate(pieces):
             slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
@@ -321,20 +339,6 @@ class OrtModel:
             if p.logits:
                 logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
             start += max(p.logits, 1)
-
-    def _native_call(self, pieces, hidden, meta, paged, block_size, logits) -> None:
-        """One-token pieces (in cache rows 0, 1, ...) through the C step."""
-        n = len(pieces)
-        self.rows.reserve(n, max(p.past + 1 for p in pieces))
-        for i, p in enumerate(pieces):
-            self.rows.sync(i, p.past, meta.block_tables[p.index], *paged, block_size)
-        inputs = hidden[[p.first for p in pieces]]
-        out = torch.empty(n, self.vocab)
-        self.native.step(self.rows.k, self.rows.v, list(range(n)), [p.past for p in pieces], inputs, out)
-        for i, p in enumerate(pieces):
-            self.rows.write_back(i, p.past, meta.slot_mapping[p.first : p.first + 1].tolist(), *paged)
-            if p.logits:
-                logits[p.logits_first] = out[i]
 
     def _bound(self, kind: str, first_row: int, n: int, tokens: int, wanted: int) -> "Bound":
         """The binding of `kind` with each layer's past and present keys / values on the same cache rows (the call
