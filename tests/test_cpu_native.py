@@ -40,14 +40,19 @@ def f32_head_llama(tmp_path_factory):
     return load_model(str(path))
 
 
-def decode_against_fp32(loaded, prompts, steps=5, library=None, threads=None):
-    """(C step's logits, the float32 model's) over `steps` decode steps on the same tokens; the prompt's own logits
-    (an onnxruntime prefill) are left out. The float32 model: the torch route with its int4 weights widened to
-    float32 (instead of its float16), so exactly the values the C step computes from."""
+def float32_reference(loaded, run):
+    """run(engine) on the float32 model: the torch route with its int4 weights widened to float32 (instead of its
+    float16), so exactly the values the C step computes from."""
     with pytest.MonkeyPatch.context() as patch:
         for module in (cpu_kernels, cpu_runner):  # the widened projections and the head's copy
             patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
-        exact = step_logits(engine_for(loaded, "torch"), prompts, steps)
+        return run(engine_for(loaded, "torch"))
+
+
+def decode_against_fp32(loaded, prompts, steps=5, library=None, threads=None):
+    """(C step's logits, the float32 model's) over `steps` decode steps on the same tokens; the prompt's own logits
+    (an onnxruntime prefill) are left out."""
+    exact = float32_reference(loaded, lambda engine: step_logits(engine, prompts, steps))
     engine = engine_for(loaded, "native")
     assert engine.runner.route == "native"
     graph = engine.runner._graph()
@@ -180,20 +185,6 @@ def test_auto_picks_the_c_step_where_it_builds(q4_1_llama):
     assert runner.route == "native" and "C step built for this CPU" in runner.route_reason
 
 
-def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama):
-    clean = step_logits(engine_for(q4_1_llama, "native"), [[5, 6, 7]], 3)
-    engine = engine_for(q4_1_llama, "native")
-    engine.runner.k_cache.fill_(float("nan"))  # memory the allocator handed over holds anything
-    engine.runner.v_cache.fill_(float("nan"))
-    rows = engine.runner._graph().rows
-    rows.reserve(2, 8)
-    rows.k.fill_(float("nan"))
-    rows.v.fill_(float("nan"))
-    dirty = step_logits(engine, [[5, 6, 7]], 3, forced=greedy(clean))
-    for a, b in zip(dirty, clean):
-        assert torch.equal(a, b)
-
-
 def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama):
     """A second request on a cached prefix starts its row from the paged cache; n-gram verify steps run through the
     graph between the C step's decode steps: the tokens stay the float32 model's."""
@@ -201,10 +192,7 @@ def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     params = SamplingParams(max_tokens=16)
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (cpu_kernels, cpu_runner):
-            patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
-        want = engine_for(q4_1_llama, "torch").generate([prompt], params)[0].output_ids
+    want = float32_reference(q4_1_llama, lambda engine: engine.generate([prompt], params)[0].output_ids)
     cached = engine_for(q4_1_llama, "native", prefix_caching=True)
     assert [cached.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]
     speculating = engine_for(q4_1_llama, "native", spec="ngram", spec_tokens=3)
@@ -254,10 +242,7 @@ def test_a_prompts_logits_come_from_the_c_steps_head_in_float32(q4_1_llama):
     """With the C step the graph stops at the final hidden states (onnxruntime keeps no copy of the head) and the
     prompt's logits are the C head's: the float32 model's, as the decode steps'."""
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40))]
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (cpu_kernels, cpu_runner):
-            patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
-        exact = step_logits(engine_for(q4_1_llama, "torch"), prompts, 0)[0]
+    exact = float32_reference(q4_1_llama, lambda engine: step_logits(engine, prompts, 0)[0])
     engine = engine_for(q4_1_llama, "native", max_num_batched_tokens=16)  # the longer prompt in three chunks
     got = step_logits(engine, prompts, 0)[0]
     graph = engine.runner._graph()

@@ -97,16 +97,17 @@ def test_each_choice_rounds_the_activations_of_its_projections_only(q4_1_llama, 
     assert {kind for kind, level in levels.items() if level == {1}} == set(kinds.values()) - rounded
 
 
-def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama):
-    clean = step_logits(engine_for(q4_1_llama, "onnxruntime"), [[5, 6, 7]], 2)
-    engine = engine_for(q4_1_llama, "onnxruntime")
+@pytest.mark.parametrize("route", ["onnxruntime", "native"])
+def test_whatever_the_caches_held_past_a_sequences_end_does_not_leak_in(q4_1_llama, route):
+    clean = step_logits(engine_for(q4_1_llama, route), [[5, 6, 7]], 3)
+    engine = engine_for(q4_1_llama, route)
     engine.runner.k_cache.fill_(float("nan"))  # memory the allocator handed over holds anything
     engine.runner.v_cache.fill_(float("nan"))
     rows = engine.runner._graph().rows
     rows.reserve(2, 8)
     rows.k.fill_(float("nan"))
     rows.v.fill_(float("nan"))
-    dirty = step_logits(engine, [[5, 6, 7]], 2, forced=greedy(clean))
+    dirty = step_logits(engine, [[5, 6, 7]], 3, forced=greedy(clean))
     for a, b in zip(dirty, clean):
         assert torch.equal(a, b)
 
