@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import model_cache
 from .config import ModelConfig, RopeScaling
 from .errors import UserError
 from .kernels import AttentionMetadata, ReferenceKernels
@@ -121,7 +122,8 @@ class DecoderModel:
 
 
 class _WeightTaker:
-    """Moves checkpoint tensors to the device: norms and embeddings dense, projections in the target precision."""
+    """Moves checkpoint tensors to the device: norms and embeddings dense, projections in the target precision.
+    What it read of a converted-model entry's file map (the checks read every value) leaves memory again."""
 
     def __init__(self, weights, device, dtype, precision: Precision):
         self.weights, self.device, self.dtype, self.precision = weights, device, dtype, precision
@@ -135,6 +137,7 @@ class _WeightTaker:
         w = self._get(name)
         w = w if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)
         validate_weight(name, w)
+        model_cache.drop_pages(w)
         return w.to(device=self.device, dtype=dtype or self.dtype)
 
     def bias(self, names: list[str]) -> torch.Tensor:
@@ -147,9 +150,17 @@ class _WeightTaker:
         parts = [precision.quantize(self._get(n).to(self.device)) for n in names]
         merged = concat_rows(parts) if len(parts) > 1 else parts[0]
         validate_weight(names[0], merged)
+        model_cache.drop_pages(*(t for n in names for t in tensors_of(self._get(n))))
         if isinstance(merged, torch.Tensor):
             return merged.to(device=self.device, dtype=precision.storage_dtype)
         return merged.to(self.device)
+
+
+def tensors_of(w: Weight) -> tuple[torch.Tensor, ...]:
+    """The tensors a weight keeps its values in."""
+    if isinstance(w, torch.Tensor):
+        return (w,)
+    return tuple(v for v in vars(w).values() if isinstance(v, torch.Tensor))
 
 
 def weight_bytes(

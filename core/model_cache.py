@@ -7,12 +7,15 @@ a fraction of that. Entries are keyed by the file's absolute path, size and mtim
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
@@ -26,6 +29,19 @@ from .tokenizer import Tokenizer
 FORMAT_VERSION = "1"
 _INT4_PARTS = ("packed", "scales", "offsets")
 _META_KEYS = {"bos_token_id", "eos_token_ids", "add_bos", "chat_template"}
+# safetensors' dtype names of what `save` writes
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+_MAPS: list[tuple[weakref.ref, int, int]] = []  # the entries' file maps in use: (map, first address, bytes)
 
 
 def _root() -> Path | None:
@@ -142,17 +158,18 @@ def discard(entry: Path, reason: str) -> None:
 def _read(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
     config = ModelConfig.model_validate_json((entry / "config.json").read_text())
     plan = shard.plan(config, source) if shard else None
-    with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
-        groups = f.metadata() or {}
-        flat = {}
-        for name in f.keys():  # noqa: SIM118 (a safetensors handle)
-            base, _, part = name.partition("#int4.")
-            if plan is None:  # copied out of the memory map: pages of it left mapped stay resident
-                flat[name] = f.get_tensor(name).clone()
-            elif plan.keeps(base):
-                flat[name] = _read_slice(f, name, plan.slice_of(base), int(groups.get(base, 1)), part)
-        if plan is not None:  # the int4 weights of layers left unread (MTP modules)
-            groups = {name: group for name, group in groups.items() if plan.keeps(name)}
+    if plan is None:
+        flat, groups = _mapped(entry / "weights.safetensors")
+    else:
+        with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
+            groups = f.metadata() or {}
+            flat = {}
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle)
+                base, _, part = name.partition("#int4.")
+                if plan.keeps(base):
+                    flat[name] = _read_slice(f, name, plan.slice_of(base), int(groups.get(base, 1)), part)
+        # the int4 weights of layers left unread (MTP modules)
+        groups = {name: group for name, group in groups.items() if plan.keeps(name)}
     weights: dict = {}
     for name, tensor in flat.items():
         if "#int4." not in name:
@@ -165,6 +182,56 @@ def _read(entry: Path, source: str, shard: Shard | None = None) -> tuple[ModelCo
         raise ValueError(f"tokenizer_meta.json holds {sorted(meta) if isinstance(meta, dict) else type(meta)}")
     tokenizer = Tokenizer(HFTokenizer.from_str((entry / "tokenizer.json").read_text()), source=source, **meta)
     return config, weights, tokenizer
+
+
+def _mapped(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, every tensor a view of one private copy-on-write map of it:
+    nothing is read before it is used, and what a caller is done with can leave memory again (`drop_pages`)."""
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    data = 8 + header_bytes
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype, (start, end) = _DTYPES[info["dtype"]], info["data_offsets"]
+        if end == start:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        count = (end - start) // dtype.itemsize
+        tensors[name] = torch.frombuffer(whole, dtype=dtype, count=count, offset=data + start).view(info["shape"])
+    first = torch.frombuffer(whole, dtype=torch.uint8, count=1).data_ptr()
+    _MAPS.append((weakref.ref(whole), first, len(whole)))
+    return tensors, metadata
+
+
+def drop_pages(*tensors: torch.Tensor) -> None:
+    """Lets the memory pages of tensors that are views of an entry's map (`_mapped`) leave this process's resident
+    memory: a read brings them back from the file. Tensors elsewhere are left alone. Only for tensors no one has
+    written to (a written page of the private map would go back to the file's bytes)."""
+    page = mmap.PAGESIZE
+    _MAPS[:] = [m for m in _MAPS if m[0]() is not None]
+    for ref, first, size in _MAPS:
+        whole = ref()
+        for t in tensors:
+            start = t.data_ptr() - first
+            end = start + t.numel() * t.element_size()
+            if whole is None or start < 0 or end > size:
+                continue
+            low, high = -(-start // page) * page, end // page * page  # whole pages only
+            if high > low:
+                whole.madvise(mmap.MADV_DONTNEED, low, high - low)
+
+
+def drop_all_pages() -> None:
+    """`drop_pages` for every page of the entries' maps: also those the kernel mapped in around what was read (it
+    maps the neighbours of a page it faults in), which belong to no tensor that `drop_pages` is handed."""
+    _MAPS[:] = [m for m in _MAPS if m[0]() is not None]
+    for ref, _, _ in _MAPS:
+        whole = ref()
+        if whole is not None:
+            whole.madvise(mmap.MADV_DONTNEED)
 
 
 def _read_slice(f, name: str, cut: tuple[int, int, int] | None, group: int, part: str):

@@ -1,5 +1,5 @@
-"""The C decode step (plugins/cpu/decode.c) against the exact float32 model: numerics on every vector width, batches,
-threads, the LM head's two forms, the build and its fallbacks."""
+"""The C step (plugins/cpu/decode.c) against the exact float32 model: prompt chunks and decode steps on every vector
+width, batches, threads, both KV cache types, the LM head's two forms, the build and its fallbacks."""
 
 import platform
 
@@ -15,8 +15,6 @@ from flashnext.plugins.cpu import native
 from flashnext.plugins.cpu import runner as cpu_runner
 from numerics import step_logits
 from test_cpu_ort_graph import engine_for, greedy, nmse
-
-pytest.importorskip("onnxruntime")
 
 # Decode logits of the C step against the float32 model (the same weights, widened once): the same float32
 # arithmetic but for the summation order (observed on these models: below 1e-12; the onnxruntime graph's fp32 route
@@ -40,43 +38,48 @@ def f32_head_llama(tmp_path_factory):
     return load_model(str(path))
 
 
-def float32_reference(loaded, run):
+def float32_reference(loaded, run, kv_cache_dtype="fp16"):
     """run(engine) on the float32 model: the torch route with its int4 weights widened to float32 (instead of its
-    float16), so exactly the values the C step computes from."""
+    float16), so exactly the values the C step computes from, and the keys and values stored as the C step's are
+    (float16 by default: the cache `auto` gives it)."""
     with pytest.MonkeyPatch.context() as patch:
         for module in (cpu_kernels, cpu_runner):  # the widened projections and the head's copy
             patch.setattr(module, "EXPANDED_DTYPE", torch.float32)
-        return run(engine_for(loaded, "torch"))
+        return run(engine_for(loaded, "torch", kv_cache_dtype=kv_cache_dtype))
 
 
-def decode_against_fp32(loaded, prompts, steps=5, library=None, threads=None):
-    """(C step's logits, the float32 model's) over `steps` decode steps on the same tokens; the prompt's own logits
-    (an onnxruntime prefill) are left out."""
-    exact = float32_reference(loaded, lambda engine: step_logits(engine, prompts, steps))
-    engine = engine_for(loaded, "native")
-    assert engine.runner.route == "native"
-    graph = engine.runner._graph()
+def against_fp32(loaded, prompts, steps=5, library=None, threads=None, kv_cache_dtype="fp16", **settings):
+    """(C step's logits, the float32 model's): each prompt's last position, then `steps` decode steps of the batch
+    on the same tokens."""
+    exact = float32_reference(loaded, lambda engine: step_logits(engine, prompts, steps), kv_cache_dtype)
+    engine = engine_for(loaded, "native", **settings)
+    assert engine.runner.route == "native" and engine.kv_dtype == torch.float16  # what auto gives the C step
+    if kv_cache_dtype != "fp16":
+        engine = engine_for(loaded, "native", kv_cache_dtype=kv_cache_dtype, **settings)
+    model = engine.runner._native_model()
     if library is not None:
-        graph.native.lib = library
+        model.lib = library
     if threads is not None:
-        graph.native.team = native.TeamSize(threads)
+        model.team = native.TeamSize(threads)
     calls = []
-    step = graph.native.step
-    graph.native.step = lambda *a: calls.append(len(a[2])) or step(*a)
+    step = model.step
+    model.step = lambda *a: calls.append(len(a[3])) or step(*a)
     got = step_logits(engine, prompts, steps, forced=greedy(exact))
-    assert calls == [len(prompts)] * steps  # every decode step went through the C step, the whole batch at once
-    return got[1:], exact[1:]
+    # The prompts in calls of up to MAX_TOKENS tokens, then every decode step in one call for the whole batch.
+    prefill = [min(native.MAX_TOKENS, len(p) - a) for p in prompts for a in range(0, len(p), native.MAX_TOKENS)]
+    assert calls == prefill + [len(prompts)] * steps, calls
+    return got, exact
 
 
 def test_decode_is_the_float32_models_on_asymmetric_q4_1_codes(q4_1_llama):
-    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11]])
+    got, exact = against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11]])
     for a, b in zip(got, exact):
         assert nmse(a, b) < EXACT, nmse(a, b)
 
 
 def test_decode_is_the_float32_models_with_qk_norm_and_fp32_scales(tiny_qwen3):
     # The checkpoint's float32 head is not its 8-bit codes: the top logits are refined, the rest within its rounding.
-    got, exact = decode_against_fp32(load_model(str(tiny_qwen3)), [list(range(3, 20))])
+    got, exact = against_fp32(load_model(str(tiny_qwen3)), [list(range(3, 20))])
     for a, b in zip(got, exact):
         top = a.topk(4, dim=-1).indices
         assert (a.gather(-1, top) - b.gather(-1, top)).abs().max() < 1e-5
@@ -85,7 +88,7 @@ def test_decode_is_the_float32_models_with_qk_norm_and_fp32_scales(tiny_qwen3):
 
 def test_a_batch_of_different_lengths_decodes_as_the_float32_model(q4_1_llama):
     # Several rows take the multi-token kernels (each group's values widened once for every row).
-    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5], list(range(4, 40))])
+    got, exact = against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5], list(range(4, 40))])
     for a, b in zip(got, exact):
         assert nmse(a, b) < EXACT, nmse(a, b)
 
@@ -93,16 +96,30 @@ def test_a_batch_of_different_lengths_decodes_as_the_float32_model(q4_1_llama):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_team_size_decodes_as_the_float32_model(q4_1_llama, threads):
     # Two and three threads split rows and a context's positions (a short one leaves a thread no positions).
-    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7], list(range(4, 60))], threads=threads)
+    got, exact = against_fp32(q4_1_llama, [[5, 6, 7], list(range(4, 60))], threads=threads)
     for a, b in zip(got, exact):
         assert nmse(a, b) < EXACT, nmse(a, b)
 
 
-def test_decode_past_the_row_caches_first_capacity(q4_1_llama):
-    # 250 prompt positions and 10 steps: the row cache doubles from 256 positions mid-decode (its buffers move).
-    got, exact = decode_against_fp32(q4_1_llama, [list(range(3, 253))], steps=10)
+def test_a_long_prompt_in_several_calls_and_blocks_is_the_float32_models(q4_1_llama):
+    # 150 positions: three calls of up to 64 tokens (each attending over the ones before), ten blocks of the cache.
+    got, exact = against_fp32(q4_1_llama, [list(range(3, 153)), [7, 8, 9]], steps=10)
     for a, b in zip(got, exact):
         assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+def test_a_float32_cache_is_the_float32_models_too(q4_1_llama):
+    got, exact = against_fp32(q4_1_llama, [list(range(3, 80)), [7, 8, 9]], kv_cache_dtype="fp32")
+    for a, b in zip(got, exact):
+        assert nmse(a, b) < EXACT, nmse(a, b)
+
+
+def test_prompt_chunks_the_scheduler_cuts_are_the_float32_models(q4_1_llama):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40))]
+    exact = float32_reference(q4_1_llama, lambda engine: step_logits(engine, prompts, 0)[0])
+    engine = engine_for(q4_1_llama, "native", max_num_batched_tokens=16)  # the longer prompt in three steps
+    got = step_logits(engine, prompts, 0)[0]
+    assert nmse(got, exact) < EXACT, nmse(got, exact)
 
 
 X86_VARIANTS = {8: ("-mno-avx512f",), 1: ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx")}
@@ -113,7 +130,7 @@ X86_VARIANTS = {8: ("-mno-avx512f",), 1: ("-mno-avx512f", "-mno-avx2", "-mno-fma
 def test_the_avx2_and_plain_c_builds_decode_as_the_float32_model(q4_1_llama, lanes):
     library = native.build(X86_VARIANTS[lanes])
     assert library.fx_lanes() == lanes
-    got, exact = decode_against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]], library=library)
+    got, exact = against_fp32(q4_1_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]], library=library)
     for a, b in zip(got, exact):
         assert nmse(a, b) < EXACT, nmse(a, b)
 
@@ -121,7 +138,7 @@ def test_the_avx2_and_plain_c_builds_decode_as_the_float32_model(q4_1_llama, lan
 def test_a_head_its_codes_round_gets_each_rows_top_logits_in_float32(f32_head_llama):
     """A float32 head's 8-bit codes move every logit a little; each row's 16 largest come back as float32 dot
     products of the head's own rows."""
-    got, exact = decode_against_fp32(f32_head_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]])
+    got, exact = against_fp32(f32_head_llama, [[5, 6, 7, 8, 9, 10, 11], [3, 5]])
     for a, b in zip(got, exact):
         top = a.topk(4, dim=-1).indices
         refined = (a.gather(-1, top) - b.gather(-1, top)).abs().max().item()
@@ -186,8 +203,9 @@ def test_auto_picks_the_c_step_where_it_builds(q4_1_llama):
 
 
 def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama):
-    """A second request on a cached prefix starts its row from the paged cache; n-gram verify steps run through the
-    graph between the C step's decode steps: the tokens stay the float32 model's."""
+    """A second request on a cached prefix reads its first blocks as the first request left them; n-gram verify
+    steps (several tokens of one sequence, every one's logits) run between decode steps: the tokens stay the float32
+    model's."""
     from flashnext.core.engine.sequence import SamplingParams
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -236,19 +254,6 @@ def test_another_batch_size_starts_its_own_average():
     assert team.size_for(4) == 2 and team.usual is None
     team.took(5.0)  # a batch of four is slower than one, but not slow for its size
     assert team.size_for(4) == 2
-
-
-def test_a_prompts_logits_come_from_the_c_steps_head_in_float32(q4_1_llama):
-    """With the C step the graph stops at the final hidden states (onnxruntime keeps no copy of the head) and the
-    prompt's logits are the C head's: the float32 model's, as the decode steps'."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40))]
-    exact = float32_reference(q4_1_llama, lambda engine: step_logits(engine, prompts, 0)[0])
-    engine = engine_for(q4_1_llama, "native", max_num_batched_tokens=16)  # the longer prompt in three chunks
-    got = step_logits(engine, prompts, 0)[0]
-    graph = engine.runner._graph()
-    assert [o.name for o in graph.session.get_outputs()][0] == "final"
-    assert not any("head" in name for name in graph.constants.arrays)
-    assert nmse(got, exact) < EXACT, nmse(got, exact)
 
 
 def test_auto_leaves_a_build_without_vectors_to_the_graph(q4_1_llama, monkeypatch):

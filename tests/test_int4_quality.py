@@ -59,6 +59,6 @@ def test_int4_perplexity_within_one_percent_of_fp32(engines):
     ids = hamlet_ids(fp32)
     ppl_fp32 = perplexity(served_logits(fp32, ids), ids)
     ppl_int4 = perplexity(served_logits(int4, ids), ids)  # through the int4 route a served request takes
-    assert int4.engine.runner.graph is not None  # that is the onnxruntime graph (8-bit LM head included)
+    assert int4.engine.runner.native is not None  # that is the C step (its 8-bit LM head included)
     assert 1.0 < ppl_fp32 < 100.0  # a working model on English verse, not noise (vocab 49152)
     assert abs(ppl_int4 / ppl_fp32 - 1.0) <= 0.01, f"perplexity int4 {ppl_int4:.3f} vs fp32 {ppl_fp32:.3f}"

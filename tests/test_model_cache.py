@@ -8,6 +8,7 @@ import torch
 from fixtures import write_tiny_gguf
 from flashnext.core import model_cache
 from flashnext.core.loader import load_model
+from flashnext.core.model import tensors_of
 from flashnext.core.precision import Int4Weight
 
 
@@ -46,18 +47,41 @@ def test_second_load_comes_from_cache_and_matches(tmp_path, monkeypatch):
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
 
 
-def test_a_cached_load_leaves_no_memory_map_of_the_entry(tmp_path, monkeypatch):
-    """Tensors read from the entry are copies: pages of a map left open stay resident beside the merged weights
-    built from them (50 MiB on the default model)."""
+def mapped_rss_kib(path: str) -> int:
+    """Resident KiB of this process's maps of `path`."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):
+                inside = fields[-1] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_a_cached_load_maps_the_entry_and_what_it_read_can_leave_memory(tmp_path, monkeypatch):
+    """The entry's tensors are views of one map of its file: nothing is read before it is used, and pages dropped
+    leave memory and come back from the file, the same values."""
     monkeypatch.setenv("FLASHNEXT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch="llama", qtype="Q4_1")
     load_model(str(path))
     cached = load_model(str(path))
     stored = str(model_cache.entry_for(path) / "weights.safetensors")
-    with open("/proc/self/maps") as maps:
-        assert stored not in maps.read()
-    assert cached.weights["model.embed_tokens.weight"].packed.sum() > 0  # the copies hold the values
+    tensors = [t for w in cached.weights.values() for t in tensors_of(w)]
+    values = [t.clone() for t in tensors]  # every page read
+    biggest = max(tensors, key=lambda t: t.numel() * t.element_size())
+    assert mapped_rss_kib(stored) > 0
+    before = mapped_rss_kib(stored)
+    model_cache.drop_pages(biggest)
+    assert mapped_rss_kib(stored) < before  # its whole pages, not the others'
+    model_cache.drop_all_pages()
+    assert mapped_rss_kib(stored) == 0
+    assert all(torch.equal(t, v) for t, v in zip(tensors, values))  # read again from the file
+    elsewhere = torch.ones(1 << 16)
+    model_cache.drop_pages(elsewhere)  # not the map's: left alone
+    assert elsewhere.sum() == elsewhere.numel()
 
 
 def test_a_replaced_file_leaves_one_entry_and_other_files_keep_theirs(tmp_path, monkeypatch):

@@ -41,11 +41,13 @@ class LLMEngine:
         # The model's own config: an exported graph's context may be shorter than the checkpoint's.
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(profile.max_model_len or limit, limit)
+        runner_class = backend.runner_class(profile)
         self.kv_dtype = (
-            self.model.dtype if profile.kv_cache_dtype == "auto" else PRECISIONS[profile.kv_cache_dtype].storage_dtype
+            runner_class.auto_kv_dtype(self.model)
+            if profile.kv_cache_dtype == "auto"
+            else PRECISIONS[profile.kv_cache_dtype].storage_dtype
         )
         self.mtp = MtpModule(self.model, loaded.weights) if profile.spec == "mtp" else None
-        runner_class = backend.runner_class(profile)
         block_bytes = runner_class.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)
         if profile.spec == "mtp":  # the MTP module keeps its own KV in the same block layout
             block_bytes += MtpDrafter.kv_bytes_per_block(self.model, profile.block_size, self.kv_dtype)

@@ -87,6 +87,12 @@ class Runner(ABC):
         """How this runner runs steps and why, for `run --explain` (None: nothing beyond the backend's choice)."""
         return None
 
+    @classmethod
+    def auto_kv_dtype(cls, model) -> torch.dtype:
+        """What `kv_cache_dtype = auto` stores: the model's dtype, unless the runner reads a narrower cache of its
+        own choosing."""
+        return model.dtype
+
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes one KV block takes, for the engine's memory budget."""

@@ -1,18 +1,20 @@
-/* flashnext's CPU decode step: every layer and the LM head over one-token rows (one a sequence) in one call.
+/* flashnext's CPU int4 step: every layer and the LM head over a call's tokens (decode rows, one a sequence, or a
+   prompt chunk's tokens in order) in one call.
 
    Built at first use for the machine it runs on (-march=native) by plugins/cpu/native.py. The projections compute
-   from the Int4Weight's 4-bit codes with float32 activations: a row's dot is sum_g scale_g (q_g . x_g) + offset_g
-   sum(x_g), the codes widened to float32 in registers, so a step streams 0.5 byte a weight plus the scale and
-   offset (float16 where they are exact, as GGUF's Q4_0 / Q4_1 store them). The LM head is an 8-bit table (blocks
-   of 32 codes with zero point 128, a scale each: float16 where exact, as GGUF's Q8_0 stores it), computed in
-   float32 too; fx_head runs it alone for rows whose layers ran elsewhere (prompt chunks). Attention reads the
-   onnxruntime graph's row cache ([layers][rows][kv heads][capacity][head dim], float32), where it also writes the
-   step's keys and values.
+   from the Int4Weight's 4-bit codes with float32 activations: for one token a row's dot is sum_g scale_g (q_g . x_g)
+   + offset_g sum(x_g), the codes widened to float32 in registers, so a step streams 0.5 byte a weight plus the scale
+   and offset (float16 where they are exact, as GGUF's Q4_0 / Q4_1 store them); for several tokens a tile of rows is
+   widened to float32 values once and dotted with every token from registers. The LM head is an 8-bit table (blocks
+   of 32 codes with zero point 128, a scale each: float16 where exact, as GGUF's Q8_0 stores it), computed in float32
+   too, for the tokens whose logits are wanted. Attention reads the engine's paged KV cache ([layers][slots][kv
+   heads][head dim], float16 or float32) through each sequence's block table; a call writes its tokens' keys and
+   values there first, so a prompt chunk's later tokens see its earlier ones.
 
    One team of threads runs a call: the caller and workers that spin briefly between calls, then sleep. Every thread
-   keeps its own copy of each row's residual stream and norms it itself, so a layer has five barriers: after the
-   qkv, attention, o, gate/up and down stages, whose rows (or attention's position chunks) threads claim as they
-   come free. How many threads a call uses is the caller's choice (native.py's TeamSize). */
+   keeps its own copy of each token's residual stream and norms it itself, so a layer has six barriers: after the
+   qkv stage, the cache writes, attention, o, gate/up and down, whose rows (or attention's position chunks) threads
+   claim as they come free. How many threads a call uses is the caller's choice (native.py's TeamSize). */
 
 #include <math.h>
 #include <pthread.h>
@@ -27,7 +29,7 @@
 #endif
 
 #define MAX_THREADS 64
-#define MAX_TOKENS 64
+#define MAX_TOKENS 128
 #define ROWS_CHUNK 64 /* the fewest projection rows a claim takes (a multiple of 4) */
 #define HEAD_CHUNK 256 /* the fewest LM head rows a claim takes */
 #define POSITIONS_CHUNK 64 /* context positions a chunk of attention holds */
@@ -72,6 +74,10 @@ static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
     for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
 }
+static inline vf vload_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+static inline void vstore_half(uint16_t *h, vf a) {
+    _mm256_storeu_si256((__m256i *)h, _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LANES 8
 typedef __m256 vf;
@@ -111,6 +117,10 @@ static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
     for (; i < n; i++) f[i] = half_to_float(h[i]);
 }
+static inline vf vload_half(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
+static inline void vstore_half(uint16_t *h, vf a) {
+    _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #else
 #define LANES 1
 typedef float vf;
@@ -142,6 +152,24 @@ static inline float half_to_float(uint16_t h) {
 static inline void halves_to_floats(const uint16_t *h, float *f, int64_t n) {
     for (int64_t i = 0; i < n; i++) f[i] = half_to_float(h[i]);
 }
+/* float32 -> float16 bits, rounded to nearest even (as F16C's conversion). */
+static inline uint16_t float_to_half(float f) {
+    union { float f; uint32_t u; } in = {f};
+    uint32_t sign = (in.u >> 16) & 0x8000u, bits = in.u & 0x7fffffffu;
+    if (bits >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (bits > 0x7f800000u ? 0x200u : 0)); /* inf, NaN */
+    if (bits >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half: inf */
+    if (bits < 0x38800000u) { /* a subnormal half (or 0): the value in units of 2^-24, rounded */
+        union { uint32_t u; float f; } magic = {0x3f000000u}; /* 0.5: adding it puts 2^-24 in the last mantissa bit */
+        in.u = bits;
+        in.f += magic.f;
+        return (uint16_t)(sign | (in.u - magic.u));
+    }
+    uint32_t odd = (bits >> 13) & 1u;
+    bits += 0xc8000fffu + odd; /* rebias the exponent (-112 << 23) and round to nearest even */
+    return (uint16_t)(sign | (bits >> 13));
+}
+static inline vf vload_half(const uint16_t *h) { return half_to_float(*h); }
+static inline void vstore_half(uint16_t *h, vf a) { *h = float_to_half(a); }
 static inline vf vexp(vf x) { return x < -87.0f ? 0.0f : expf(x); }
 #endif
 
@@ -227,12 +255,16 @@ typedef struct {
     const void *refine_rows; /* [vocab][hidden] float32 or float16 rows, or NULL where the codes are the head */
     int64_t refine_half, refine_top;
     const float *cos, *sin; /* [positions][head_dim / 2] */
+    int64_t positions;
 } model_weights;
 
 typedef struct {
-    float *k, *v; /* [layers][rows][kv heads][capacity][head dim] */
-    int64_t rows, capacity;
-} row_cache;
+    void *k, *v; /* [layers][slots][kv heads][head dim]: the engine's paged cache, float32 or (half) float16 */
+    int64_t half;
+    int64_t slots, block_size; /* a layer's slots; positions a block holds */
+    const int32_t *tables; /* [sequences][width]: the block of each block_size positions of a sequence */
+    int64_t sequences, width;
+} paged_cache;
 
 /* ---- the team ---- */
 
@@ -303,12 +335,16 @@ int fx_set_threads(int threads, int64_t spin_ns) {
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     team.created_at = atomic_load(&team.generation);
+    pthread_attr_t attr; /* a stage keeps ~120 KiB of buffers on the stack: near musl's default 128 KiB */
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 8 << 20);
     while (team.started < threads - 1) {
-        if (pthread_create(&team.workers[team.started], NULL, worker_main, (void *)(intptr_t)(team.started + 1)))
+        if (pthread_create(&team.workers[team.started], &attr, worker_main, (void *)(intptr_t)(team.started + 1)))
             break;
         pthread_detach(team.workers[team.started]);
         team.started++;
     }
+    pthread_attr_destroy(&attr);
     team.size = team.started + 1 < threads ? team.started + 1 : threads;
     team.spin_ns = spin_ns;
     return team.size;
@@ -373,12 +409,107 @@ static void row_scales(const q4_weight *w, int64_t row, float *d, float *m) {
     }
 }
 
+/* ---- several tokens: weights widened a tile at a time, then dotted with every token from registers ----
+   A tile is ROW_TILE rows by up to PANEL columns of float32 values (L1-resident); TOKEN_TILE tokens at a time are
+   dotted with all of its rows, each of the ROW_TILE x TOKEN_TILE sums in its own register. */
+
+#define ROW_TILE 4
+#define PANEL 256 /* columns a tile holds (a multiple of 32) */
+#if LANES == 16
+#define TOKEN_TILE 6 /* 24 sums + 4 rows + 1 token: 29 of 32 registers */
+#elif LANES == 8
+#define TOKEN_TILE 2 /* 8 + 4 + 1 of 16 */
+#else
+#define TOKEN_TILE 4
+#endif
+
+/* Rows [r, r + nr) of a weight, columns [c, c + n), as float32 values into `tile` (rows PANEL apart). */
+typedef void (*widen_fn)(const void *weight, int64_t r, int nr, int64_t c, int64_t n, float *tile);
+
+static inline float scale_at(const void *p, int64_t half, int64_t i) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void q4_widen(const void *weight, int64_t r, int nr, int64_t c, int64_t n, float *tile) {
+    const q4_weight *w = weight;
+    int64_t groups = w->k / 32;
+    for (int i = 0; i < nr; i++) {
+        int64_t row = (r + i) * groups;
+        for (int64_t g = c / 32; g < (c + n) / 32; g++) {
+            vf v[PER_GROUP];
+            q4_values(w->codes + (row + g) * 16, scale_at(w->scales, w->half, row + g),
+                      scale_at(w->offsets, w->half, row + g), v);
+            for (int j = 0; j < PER_GROUP; j++) vstore(tile + i * PANEL + g * 32 - c + j * LANES, v[j]);
+        }
+    }
+}
+
+static void head_widen(const void *weights, int64_t r, int nr, int64_t c, int64_t n, float *tile) {
+    const model_weights *mw = weights;
+    int64_t blocks = mw->hidden / 32;
+    for (int i = 0; i < nr; i++) {
+        int64_t row = (r + i) * blocks;
+        for (int64_t b = c / 32; b < (c + n) / 32; b++) {
+            vf v[PER_GROUP];
+            q8_values(mw->head_codes + (row + b) * 32, scale_at(mw->head_scales, mw->head_half, row + b), v);
+            for (int j = 0; j < PER_GROUP; j++) vstore(tile + i * PANEL + b * 32 - c + j * LANES, v[j]);
+        }
+    }
+}
+
+/* y[t][i] (+)= tile[i] . x[t] over n columns for ROW_TILE rows (nr of them stored) and NT tokens. Inlined with a
+   constant NT, every sum stays in a register. */
+static inline __attribute__((always_inline)) void tile_dot(const float *tile, const float *x, int64_t xstride,
+                                                           int64_t n, float *y, int64_t ystride, int nr, int first,
+                                                           const float *bias, const int NT) {
+    vf acc[ROW_TILE][TOKEN_TILE];
+#pragma GCC unroll 8
+    for (int i = 0; i < ROW_TILE; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[i][t] = vzero();
+    for (int64_t j = 0; j < n; j += LANES) {
+        vf w[ROW_TILE];
+#pragma GCC unroll 8
+        for (int i = 0; i < ROW_TILE; i++) w[i] = vload(tile + i * PANEL + j);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            vf xt = vload(x + t * xstride + j);
+#pragma GCC unroll 8
+            for (int i = 0; i < ROW_TILE; i++) acc[i][t] = vfma(w[i], xt, acc[i][t]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < nr; i++) {
+            float *out = y + t * ystride + i;
+            *out = (first ? (bias ? bias[i] : 0.0f) : *out) + vsum(acc[i][t]);
+        }
+}
+
+/* y[t][r] = w[r] . x[t] (+ bias) for rows [start, end) and every token (x rows k apart, y rows ystride apart). */
+static void tiled_rows(widen_fn widen, const void *weight, int64_t k, int64_t start, int64_t end, int tokens,
+                       const float *x, float *y, int64_t ystride, const float *bias) {
+    float tile[ROW_TILE * PANEL] __attribute__((aligned(64)));
+    memset(tile, 0, sizeof tile); /* rows past nr stay 0 */
+    for (int64_t r = start; r < end; r += ROW_TILE) {
+        int nr = end - r < ROW_TILE ? (int)(end - r) : ROW_TILE;
+        const float *b = bias ? bias + r : NULL;
+        for (int64_t c = 0; c < k; c += PANEL) {
+            int64_t n = k - c < PANEL ? k - c : PANEL;
+            widen(weight, r, nr, c, n, tile);
+            int t = 0;
+            for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)
+                tile_dot(tile, x + t * k + c, k, n, y + t * ystride + r, ystride, nr, c == 0, b, TOKEN_TILE);
+            for (; t < tokens; t++) tile_dot(tile, x + t * k + c, k, n, y + t * ystride + r, ystride, nr, c == 0, b, 1);
+        }
+    }
+}
+
 /* y[t][r] = w[r] . x[t] (+ bias) for rows r in [start, end), tokens t < tokens (x rows k apart, y rows ystride). */
 static void q4_rows(const q4_weight *w, int64_t start, int64_t end, int tokens, const float *x, float *y,
                     int64_t ystride) {
     int64_t groups = w->k / 32, r = start;
-    float d[4][1024], m[4][1024]; /* a row's scales and offsets as float32 (k <= 32768) */
     if (tokens == 1) { /* four rows at a time share each load of x; sum_g d_g (q_g . x_g) + m_g sum(x_g) */
+        float d[4][1024], m[4][1024]; /* a row's scales and offsets as float32 (k <= 32768) */
         float sums[1024];
         for (int64_t g = 0; g < groups; g++) sums[g] = group_sum(x + g * 32);
         for (; r + 4 <= end; r += 4) {
@@ -397,19 +528,7 @@ static void q4_rows(const q4_weight *w, int64_t start, int64_t end, int tokens, 
                 y[r + i] = vsum(acc[i]) + dot(m[i], sums, groups) + (w->bias ? w->bias[r + i] : 0.0f);
         }
     }
-    for (; r < end; r++) { /* one row at a time, each group's values dotted with every token */
-        vf acc[MAX_TOKENS];
-        for (int t = 0; t < tokens; t++) acc[t] = vzero();
-        row_scales(w, r, d[0], m[0]);
-        const uint8_t *c = w->codes + r * groups * 16;
-        for (int64_t g = 0; g < groups; g++) {
-            vf v[PER_GROUP];
-            q4_values(c + g * 16, d[0][g], m[0][g], v);
-            for (int t = 0; t < tokens; t++)
-                for (int j = 0; j < PER_GROUP; j++) acc[t] = vfma(v[j], vload(x + t * w->k + g * 32 + j * LANES), acc[t]);
-        }
-        for (int t = 0; t < tokens; t++) y[t * ystride + r] = vsum(acc[t]) + (w->bias ? w->bias[r] : 0.0f);
-    }
+    if (r < end) tiled_rows(q4_widen, w, w->k, r, end, tokens, x, y, ystride, w->bias);
 }
 
 /* The head's scales of rows [row, row + n) as float32. */
@@ -421,11 +540,10 @@ static void head_scales(const model_weights *mw, int64_t row, int64_t n, float *
 
 /* The LM head's rows [start, end) for every token: logits[t][r]. */
 static void head_rows(const model_weights *mw, int64_t start, int64_t end, int tokens, const float *x, float *logits) {
-    int64_t blocks = mw->hidden / 32, h = mw->hidden;
+    int64_t blocks = mw->hidden / 32;
     int64_t r = start;
-    float sc[4 * 1024];
     if (tokens == 1) { /* sum_b s_b (c_b . x_b) - 128 s_b sum(x_b) */
-        float sums[1024];
+        float sc[4 * 1024], sums[1024];
         for (int64_t b = 0; b < blocks; b++) sums[b] = -128.0f * group_sum(x + b * 32);
         for (; r + 4 <= end; r += 4) {
             vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
@@ -439,18 +557,7 @@ static void head_rows(const model_weights *mw, int64_t start, int64_t end, int t
             for (int i = 0; i < 4; i++) logits[r + i] = vsum(acc[i]) + dot(sc + i * blocks, sums, blocks);
         }
     }
-    for (; r < end; r++) {
-        vf acc[MAX_TOKENS];
-        for (int t = 0; t < tokens; t++) acc[t] = vzero();
-        head_scales(mw, r, 1, sc);
-        for (int64_t b = 0; b < blocks; b++) {
-            vf v[PER_GROUP];
-            q8_values(mw->head_codes + (r * blocks + b) * 32, sc[b], v);
-            for (int t = 0; t < tokens; t++)
-                for (int j = 0; j < PER_GROUP; j++) acc[t] = vfma(v[j], vload(x + t * h + b * 32 + j * LANES), acc[t]);
-        }
-        for (int t = 0; t < tokens; t++) logits[t * mw->vocab + r] = vsum(acc[t]);
-    }
+    if (r < end) tiled_rows(head_widen, mw, mw->hidden, r, end, tokens, x, logits, mw->vocab, NULL);
 }
 
 static void rmsnorm(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -473,11 +580,13 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 
 typedef struct {
     const model_weights *mw;
-    row_cache cache;
-    int tokens;
-    const int64_t *row, *past;
+    paged_cache cache;
+    int tokens, first_logit;
+    const int64_t *seq, *past;
     const float *hidden;
     float *logits;
+    int64_t capacity; /* the longest context of the call's tokens */
+    int64_t chunk; /* context positions an attention chunk holds */
     /* shared stage outputs */
     float *qkv, *o, *act, *down, *final;
     float *partial; /* [chunks of every token][heads][head_dim + 2]: a chunk's attention output, max and sum */
@@ -488,59 +597,87 @@ typedef struct {
 } call_state;
 
 typedef struct {
-    float *residual, *normed, *q, *knew, *vnew, *attn, *scores;
+    float *residual, *normed, *q, *attn, *scores;
+    int64_t *slots;
 } thread_buffers;
 
 static thread_buffers buffers_of(call_state *s, int thread) {
     const model_weights *mw = s->mw;
-    int64_t t = s->tokens, h = mw->hidden, qs = mw->heads * mw->head_dim, kvs = mw->kv_heads * mw->head_dim;
+    int64_t t = s->tokens, h = mw->hidden, qs = mw->heads * mw->head_dim;
     int64_t widest = mw->inter > h ? mw->inter : h;
     float *p = s->local + thread * s->local_floats;
     thread_buffers b;
     b.residual = p; p += t * h;
     b.normed = p; p += t * widest;
     b.q = p; p += t * qs;
-    b.knew = p; p += t * kvs;
-    b.vnew = p; p += t * kvs;
     b.attn = p; p += t * qs;
+    b.slots = (int64_t *)p; p += 2 * s->capacity;
     b.scores = p;
     return b;
 }
 
 static int64_t local_floats(const model_weights *mw, int tokens, int64_t capacity) {
-    int64_t h = mw->hidden, qs = mw->heads * mw->head_dim, kvs = mw->kv_heads * mw->head_dim;
+    int64_t h = mw->hidden, qs = mw->heads * mw->head_dim;
     int64_t widest = mw->inter > h ? mw->inter : h;
     int64_t per_group = mw->heads / mw->kv_heads;
-    return tokens * (h + widest + 2 * qs + 2 * kvs) + per_group * (capacity + 1) + 64;
+    return tokens * (h + widest + 2 * qs) + 2 * capacity + per_group * capacity + 64;
 }
 
-/* One token's attention over positions [start, end) of its context (the last one, `past`, is the new key and value
-   in thread-local buffers), every head: out, max and sum of exponentials per head into `part`. */
+/* The cache slot of token t's sequence's position p. */
+static inline int64_t slot_of(const call_state *s, int t, int64_t p) {
+    const paged_cache *c = &s->cache;
+    return (int64_t)c->tables[s->seq[t] * c->width + p / c->block_size] * c->block_size + p % c->block_size;
+}
+
+/* q . key of the key at element `at` of the cache. */
+static inline float key_dot(const paged_cache *c, int half, int64_t at, const float *q, int64_t d) {
+    if (!half) return dot(q, (const float *)c->k + at, d);
+    const uint16_t *k = (const uint16_t *)c->k + at;
+    vf acc = vzero();
+    for (int64_t j = 0; j < d; j += LANES) acc = vfma(vload(q + j), vload_half(k + j), acc);
+    return vsum(acc);
+}
+
+/* acc += e * the value at element `at` of the cache. */
+static inline void value_add(const paged_cache *c, int half, int64_t at, float e, int64_t d, vf *acc) {
+    vf ev = vset(e);
+    if (half) {
+        const uint16_t *v = (const uint16_t *)c->v + at;
+        for (int64_t j = 0; j < d / LANES; j++) acc[j] = vfma(ev, vload_half(v + j * LANES), acc[j]);
+    } else {
+        const float *v = (const float *)c->v + at;
+        for (int64_t j = 0; j < d / LANES; j++) acc[j] = vfma(ev, vload(v + j * LANES), acc[j]);
+    }
+}
+
+/* n floats into the cache at element `at`, as its type. */
+static void cache_store(void *cache, int half, int64_t at, const float *x, int64_t n) {
+    if (!half) {
+        memcpy((float *)cache + at, x, n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + at;
+    for (int64_t j = 0; j < n; j += LANES) vstore_half(h + j, vload(x + j));
+}
+
+/* One token's attention over positions [start, end) of its context, every head: out, max and sum of exponentials
+   per head into `part`. Every position's key and value is in the cache (the call wrote its own there first). */
 static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t end, thread_buffers *b, float *part) {
     const model_weights *mw = s->mw;
-    int64_t d = mw->head_dim, kv = mw->kv_heads, per_group = mw->heads / kv, past = s->past[t];
-    int64_t stride = s->cache.capacity * d;
-    int64_t base = ((layer * s->cache.rows + s->row[t]) * kv) * stride;
+    int64_t d = mw->head_dim, kv = mw->kv_heads, per_group = mw->heads / kv, n = end - start;
+    for (int64_t p = start; p < end; p++) b->slots[p - start] = ((layer * s->cache.slots) + slot_of(s, t, p)) * kv * d;
+    int half = (int)s->cache.half;
     for (int64_t g = 0; g < kv; g++) {
-        const float *keys = s->cache.k + base + g * stride, *values = s->cache.v + base + g * stride;
-        const float *knew = b->knew + t * kv * d + g * d, *vnew = b->vnew + t * kv * d + g * d;
-        int64_t n = end - start;
+        int64_t head = g * d; /* this group's keys and values in a slot */
         for (int64_t i = 0; i < per_group; i++) {
             int64_t h = g * per_group + i;
             float *out = part + h * (d + 2);
-            if (n <= 0) {
-                memset(out, 0, d * sizeof(float));
-                out[d] = -INFINITY;
-                out[d + 1] = 0.0f;
-                continue;
-            }
             const float *q = b->q + t * mw->heads * d + h * d;
             float *sc = b->scores;
             float top = -INFINITY;
-            for (int64_t p = start; p < end; p++) {
-                const float *key = p == past ? knew : keys + p * d;
-                float v = dot(q, key, d) * mw->scale;
-                sc[p - start] = v;
+            for (int64_t p = 0; p < n; p++) {
+                float v = key_dot(&s->cache, half, b->slots[p] + head, q, d) * mw->scale;
+                sc[p] = v;
                 if (v > top) top = v;
             }
             int64_t p = 0;
@@ -557,11 +694,7 @@ static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t
             }
             vf acc[256 / LANES]; /* head_dim <= 256 */
             for (int64_t j = 0; j < d / LANES; j++) acc[j] = vzero();
-            for (int64_t q = start; q < end; q++) {
-                const float *value = q == past ? vnew : values + q * d;
-                vf e = vset(sc[q - start]);
-                for (int64_t j = 0; j < d / LANES; j++) acc[j] = vfma(e, vload(value + j * LANES), acc[j]);
-            }
+            for (int64_t p = 0; p < n; p++) value_add(&s->cache, half, b->slots[p] + head, sc[p], d, acc);
             for (int64_t j = 0; j < d / LANES; j++) vstore(out + j * LANES, acc[j]);
             out[d] = top;
             out[d + 1] = total;
@@ -569,7 +702,47 @@ static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t
     }
 }
 
-static void decode_job(int thread, void *arg) {
+/* The call's new keys (normed, roped) and values of one layer into their cache slots. */
+static void write_kv(call_state *s, int64_t layer, const layer_weights *w) {
+    const model_weights *mw = s->mw;
+    int64_t d = mw->head_dim, kv = mw->kv_heads, qs = mw->heads * d, kvs = kv * d, qkv_n = qs + 2 * kvs;
+    for (int t = 0; t < s->tokens; t++) {
+        const float *row = s->qkv + t * qkv_n;
+        int64_t at = (layer * s->cache.slots + slot_of(s, t, s->past[t])) * kvs;
+        const float *cos = mw->cos + s->past[t] * (d / 2), *sin = mw->sin + s->past[t] * (d / 2);
+        for (int64_t i = 0; i < kv; i++) {
+            float k[256];
+            memcpy(k, row + qs + i * d, d * sizeof(float));
+            if (w->k_norm) rmsnorm(k, w->k_norm, d, mw->eps, k);
+            rope(k, cos, sin, d);
+            cache_store(s->cache.k, (int)s->cache.half, at + i * d, k, d);
+        }
+        cache_store(s->cache.v, (int)s->cache.half, at, row + qs + kvs, kvs);
+    }
+}
+
+/* Every thread merges token t's attention chunks into its own copy of the output. */
+static void merge_chunks(call_state *s, int t, float *attn) {
+    int64_t d = s->mw->head_dim, heads = s->mw->heads;
+    for (int64_t i = 0; i < heads; i++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
+            const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
+            if (part[d] > top) top = part[d];
+        }
+        float *out = attn + t * heads * d + i * d;
+        memset(out, 0, d * sizeof(float));
+        for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
+            const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
+            float f = expf(part[d] - top);
+            total += f * part[d + 1];
+            for (int64_t j = 0; j < d; j++) out[j] += f * part[j];
+        }
+        for (int64_t j = 0; j < d; j++) out[j] /= total;
+    }
+}
+
+static void step_job(int thread, void *arg) {
     call_state *s = arg;
     const model_weights *mw = s->mw;
     thread_buffers b = buffers_of(s, thread);
@@ -583,61 +756,27 @@ static void decode_job(int thread, void *arg) {
         for (int t = 0; t < tokens; t++) rmsnorm(b.residual + t * h, w->input_norm, h, mw->eps, b.normed + t * h);
         while (claim(qkv_n, ROWS_CHUNK, &start, &end)) q4_rows(&w->qkv, start, end, tokens, b.normed, s->qkv, qkv_n);
         barrier();
-        for (int t = 0; t < tokens; t++) { /* this thread's copy of the step's queries and new keys / values */
-            const float *row = s->qkv + t * qkv_n;
-            memcpy(b.q + t * qs, row, qs * sizeof(float));
-            memcpy(b.knew + t * kvs, row + qs, kvs * sizeof(float));
-            memcpy(b.vnew + t * kvs, row + qs + kvs, kvs * sizeof(float));
+        if (thread == 0) write_kv(s, l, w); /* a later token of a sequence reads an earlier one's */
+        for (int t = 0; t < tokens; t++) { /* this thread's copy of the step's queries */
             const float *cos = mw->cos + s->past[t] * (d / 2), *sin = mw->sin + s->past[t] * (d / 2);
+            memcpy(b.q + t * qs, s->qkv + t * qkv_n, qs * sizeof(float));
             for (int64_t i = 0; i < heads; i++) {
                 float *q = b.q + t * qs + i * d;
                 if (w->q_norm) rmsnorm(q, w->q_norm, d, mw->eps, q);
                 rope(q, cos, sin, d);
             }
-            for (int64_t i = 0; i < kv; i++) {
-                float *k = b.knew + t * kvs + i * d;
-                if (w->k_norm) rmsnorm(k, w->k_norm, d, mw->eps, k);
-                rope(k, cos, sin, d);
-            }
         }
+        barrier();
         int64_t chunk, all = s->first_chunk[tokens];
         while ((chunk = atomic_fetch_add(&team.next, 1)) < all) { /* one chunk a claim: they are few */
             int t = 0;
             while (s->first_chunk[t + 1] <= chunk) t++;
-            start = (chunk - s->first_chunk[t]) * POSITIONS_CHUNK;
-            end = start + POSITIONS_CHUNK < s->past[t] + 1 ? start + POSITIONS_CHUNK : s->past[t] + 1;
+            start = (chunk - s->first_chunk[t]) * s->chunk;
+            end = start + s->chunk < s->past[t] + 1 ? start + s->chunk : s->past[t] + 1;
             attend_chunk(s, (int)l, t, start, end, &b, s->partial + chunk * heads * (d + 2));
         }
         barrier();
-        for (int t = 0; t < tokens; t++) { /* every thread merges the chunks into its own copy */
-            for (int64_t i = 0; i < heads; i++) {
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
-                    const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
-                    if (part[d] > top) top = part[d];
-                }
-                float *out = b.attn + t * qs + i * d;
-                memset(out, 0, d * sizeof(float));
-                for (int64_t c = s->first_chunk[t]; c < s->first_chunk[t + 1]; c++) {
-                    const float *part = s->partial + c * heads * (d + 2) + i * (d + 2);
-                    if (part[d + 1] == 0.0f) continue;
-                    float f = expf(part[d] - top);
-                    total += f * part[d + 1];
-                    for (int64_t j = 0; j < d; j++) out[j] += f * part[j];
-                }
-                for (int64_t j = 0; j < d; j++) out[j] /= total;
-            }
-        }
-        if (thread == 0) { /* the step's keys and values into the row cache (no one reads them there this call) */
-            int64_t stride = s->cache.capacity * d;
-            for (int t = 0; t < tokens; t++) {
-                int64_t base = ((l * s->cache.rows + s->row[t]) * kv) * stride + s->past[t] * d;
-                for (int64_t i = 0; i < kv; i++) {
-                    memcpy(s->cache.k + base + i * stride, b.knew + t * kvs + i * d, d * sizeof(float));
-                    memcpy(s->cache.v + base + i * stride, b.vnew + t * kvs + i * d, d * sizeof(float));
-                }
-            }
-        }
+        for (int t = 0; t < tokens; t++) merge_chunks(s, t, b.attn);
         while (claim(h, ROWS_CHUNK, &start, &end)) q4_rows(&w->o, start, end, tokens, b.attn, s->o, h);
         barrier();
         for (int t = 0; t < tokens; t++) {
@@ -671,9 +810,15 @@ static void decode_job(int thread, void *arg) {
         for (int t = 0; t < tokens; t++)
             for (int64_t i = 0; i < h; i++) b.residual[t * h + i] += s->down[t * h + i];
     }
-    for (int t = 0; t < tokens; t++) rmsnorm(b.residual + t * h, mw->final_norm, h, mw->eps, b.normed + t * h);
-    if (thread == 0) memcpy(s->final, b.normed, tokens * h * sizeof(float));
-    while (claim(mw->vocab, HEAD_CHUNK, &start, &end)) head_rows(mw, start, end, tokens, b.normed, s->logits);
+    int first = s->first_logit, wanted = tokens - first;
+    if (wanted <= 0) { /* no head: the call ends when every thread is done with its buffers */
+        barrier();
+        return;
+    }
+    for (int t = first; t < tokens; t++)
+        rmsnorm(b.residual + t * h, mw->final_norm, h, mw->eps, b.normed + (t - first) * h);
+    if (thread == 0) memcpy(s->final, b.normed, wanted * h * sizeof(float));
+    while (claim(mw->vocab, HEAD_CHUNK, &start, &end)) head_rows(mw, start, end, wanted, b.normed, s->logits);
     barrier();
 }
 
@@ -726,25 +871,42 @@ static float *grown(float **buffer, int64_t *have, int64_t want) {
     return *buffer;
 }
 
-/* Logits [tokens][vocab] of one decode step: token t is at position past[t] of the sequence in cache row row[t],
-   its embedding hidden[t]. Returns 0, or -1 where scratch memory could not be had or the shapes are out of range. */
-int fx_decode(const model_weights *mw, row_cache cache, int tokens, const int64_t *row, const int64_t *past,
-              const float *hidden, float *logits) {
-    if (tokens < 1 || tokens > MAX_TOKENS || mw->head_dim > 256 || mw->head_dim % LANES || mw->hidden % 32 ||
-        mw->hidden > 32768)
+/* Whether token t's sequence has a block for each of positions 0 .. past[t] and the cache and rope tables hold them. */
+static int in_range(const model_weights *mw, const paged_cache *c, int64_t seq, int64_t past) {
+    if (seq < 0 || seq >= c->sequences || past < 0 || past >= mw->positions || past / c->block_size >= c->width)
+        return 0;
+    for (int64_t i = 0; i <= past / c->block_size; i++) {
+        int32_t block = c->tables[seq * c->width + i];
+        if (block < 0 || (int64_t)(block + 1) * c->block_size > c->slots) return 0;
+    }
+    return 1;
+}
+
+/* One step over `tokens` tokens: token t at position past[t] of sequence seq[t] (its row of the cache's block
+   tables), its embedding hidden[t]. Tokens of one sequence may follow each other (a prompt chunk: positions in
+   order). Writes every token's keys and values into the cache and the logits [tokens - first_logit][vocab] of the
+   tokens from first_logit on (none where first_logit >= tokens). Returns 0, or -1 where scratch memory could not be
+   had or the shapes or positions are out of range. */
+int fx_step(const model_weights *mw, paged_cache cache, int tokens, const int64_t *seq, const int64_t *past,
+            const float *hidden, int first_logit, float *logits) {
+    if (tokens < 1 || tokens > MAX_TOKENS || first_logit < 0 || mw->head_dim > 256 || mw->head_dim % LANES ||
+        mw->hidden % 32 || mw->hidden > 32768 || cache.block_size < 1)
         return -1;
-    call_state s = {.mw = mw, .cache = cache, .tokens = tokens, .row = row, .past = past, .hidden = hidden,
-                    .logits = logits};
+    call_state s = {.mw = mw, .cache = cache, .tokens = tokens, .first_logit = first_logit, .seq = seq,
+                    .past = past, .hidden = hidden, .logits = logits};
     int64_t h = mw->hidden, qs = mw->heads * mw->head_dim, kvs = mw->kv_heads * mw->head_dim;
     int64_t qkv_n = qs + 2 * kvs;
     for (int t = 0; t < tokens; t++) {
-        if (past[t] < 0 || past[t] >= cache.capacity || row[t] < 0 || row[t] >= cache.rows) return -1;
-        s.first_chunk[t + 1] = s.first_chunk[t] + past[t] / POSITIONS_CHUNK + 1; /* past + 1 positions */
+        if (!in_range(mw, &cache, seq[t], past[t])) return -1;
+        if (past[t] + 1 > s.capacity) s.capacity = past[t] + 1;
     }
+    /* Few tokens: their contexts in chunks, so every thread has some; many: one chunk a token, nothing to merge. */
+    s.chunk = tokens >= 4 * team.size ? s.capacity : POSITIONS_CHUNK;
+    for (int t = 0; t < tokens; t++) s.first_chunk[t + 1] = s.first_chunk[t] + past[t] / s.chunk + 1;
     int64_t partial = s.first_chunk[tokens] * mw->heads * (mw->head_dim + 2);
     int64_t shared = tokens * (qkv_n + h + mw->inter + h + h) + partial;
     float *p = grown(&scratch.shared, &scratch.shared_floats, shared);
-    s.local_floats = local_floats(mw, tokens, cache.capacity);
+    s.local_floats = local_floats(mw, tokens, s.capacity);
     s.local_floats = (s.local_floats + 15) / 16 * 16; /* each thread's buffers on their own cache lines */
     float *local = grown(&scratch.local, &scratch.local_floats, s.local_floats * team.size);
     if (!p || !local) return -1;
@@ -755,33 +917,8 @@ int fx_decode(const model_weights *mw, row_cache cache, int tokens, const int64_
     s.final = p; p += tokens * h;
     s.partial = p;
     s.local = local;
-    run_team(decode_job, &s);
-    if (mw->refine_rows) refine(mw, tokens, s.final, logits);
-    return 0;
-}
-
-typedef struct {
-    const model_weights *mw;
-    int tokens;
-    const float *x;
-    float *logits;
-} head_state;
-
-static void head_job(int thread, void *arg) {
-    (void)thread;
-    head_state *s = arg;
-    int64_t start, end;
-    while (claim(s->mw->vocab, HEAD_CHUNK, &start, &end)) head_rows(s->mw, start, end, s->tokens, s->x, s->logits);
-    barrier();
-}
-
-/* Logits [tokens][vocab] of final (normed) hidden states x [tokens][hidden]: the head of prompt chunks, whose
-   layers run elsewhere. */
-int fx_head(const model_weights *mw, int tokens, const float *x, float *logits) {
-    if (tokens < 1 || tokens > MAX_TOKENS || mw->hidden % 32 || mw->hidden > 32768) return -1;
-    head_state s = {.mw = mw, .tokens = tokens, .x = x, .logits = logits};
-    run_team(head_job, &s);
-    if (mw->refine_rows) refine(mw, tokens, x, logits);
+    run_team(step_job, &s);
+    if (mw->refine_rows && first_logit < tokens) refine(mw, tokens - first_logit, s.final, logits);
     return 0;
 }
 

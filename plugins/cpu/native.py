@@ -1,4 +1,5 @@
-"""Int4 decode steps through flashnext's own C step (decode.c), compiled for this CPU at first use.
+"""Int4 steps through flashnext's own C step (decode.c), compiled for this CPU at first use: decode steps and prompt
+chunks alike, over the engine's paged KV cache.
 
 The build takes the first C compiler it finds: $CC, then cc / gcc / clang on the PATH, then the one the `ziglang`
 wheel ships (a dependency, so a fresh machine has it); the library is kept under the cache folder, keyed by the
@@ -27,9 +28,14 @@ from flashnext.core import model_cache
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
 
+from .head import Int8Head, head_weight
+
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ["-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
-MAX_TOKENS = 64  # one-token rows a call takes (decode.c's MAX_TOKENS)
+MAX_TOKENS = 128  # tokens a call takes (decode.c's MAX_TOKENS)
+REFINE_TOP = 16  # where the head's codes are not exact: each row's largest logits computed again from the float rows
+KV_DTYPES = (torch.float16, torch.float32)  # KV caches the step reads (float16: half the memory, as llama.cpp keeps it)
+UNBOUNDED_SPIN_US = 1_000_000  # the idle spin asked for as unbounded: longer than any step's gap
 BUILD_TIMEOUT_S = 300
 _CALLS = threading.Lock()
 
@@ -62,9 +68,9 @@ def cpu_features() -> str:
         return platform.processor() or platform.machine()
 
 
-def unavailable(model: DecoderModel) -> str | None:
+def unavailable(model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
     """Why the C step cannot run this model here (None: it can): the model's shapes, or no library builds."""
-    reason = unsupported(model)
+    reason = unsupported(model, kv_dtype)
     if reason is None:
         try:
             build()
@@ -121,19 +127,18 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fx_set_threads.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.fx_set_threads.restype = ctypes.c_int
-    lib.fx_decode.argtypes = [
+    lib.fx_step.argtypes = [
         ctypes.POINTER(ModelWeights),
-        RowCacheView,
+        PagedCacheView,
         ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
+        ctypes.c_int,
         ctypes.c_void_p,
     ]
-    lib.fx_decode.restype = ctypes.c_int
+    lib.fx_step.restype = ctypes.c_int
     lib.fx_lanes.restype = ctypes.c_int
-    lib.fx_head.argtypes = [ctypes.POINTER(ModelWeights), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.fx_head.restype = ctypes.c_int
     return lib
 
 
@@ -183,24 +188,41 @@ class ModelWeights(ctypes.Structure):
         ("refine_top", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("positions", ctypes.c_int64),
     ]
 
 
-class RowCacheView(ctypes.Structure):
-    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("rows", ctypes.c_int64), ("capacity", ctypes.c_int64)]
+class PagedCacheView(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("half", ctypes.c_int64),
+        ("slots", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("tables", ctypes.c_void_p),
+        ("sequences", ctypes.c_int64),
+        ("width", ctypes.c_int64),
+    ]
 
 
-def unsupported(model: DecoderModel) -> str | None:
-    """Why the C step cannot run this model (None: it can); on top of what the onnxruntime graph needs."""
+def unsupported(model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
+    """Why the C step cannot run this model (None: it can)."""
     cfg = model.config
+    if kv_dtype not in KV_DTYPES or model.dtype != torch.float32:
+        return f"it reads a float16 / float32 KV cache, float32 activations; this engine has {kv_dtype} / {model.dtype}"
     if cfg.head_dim % 16 or cfg.head_dim > 256:
         return f"head_dim {cfg.head_dim} is not a multiple of 16 up to 256"
-    if cfg.hidden_size > 32768:
-        return f"hidden size {cfg.hidden_size} is over 32768"
+    if cfg.hidden_size % 32 or cfg.hidden_size > 32768:
+        return f"hidden size {cfg.hidden_size} is not a multiple of 32 up to 32768"
     for layer in model.layers:
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(w, Int4Weight):
+                return "the projections are not int4"
             if w.group_size % 32:
                 return f"int4 group size {w.group_size} is not a multiple of 32"
+    head = head_weight(model)
+    if not isinstance(head, torch.Tensor) or head.dtype not in (torch.float32, torch.float16):
+        return f"the LM head is stored as {getattr(head, 'dtype', type(head).__name__)}, not float32 or float16"
     return None
 
 
@@ -270,65 +292,72 @@ class TeamSize:
         self.usual = seconds if self.usual is None else 0.9 * self.usual + 0.1 * seconds
 
 
-class NativeDecoder:
-    """The model's layers and LM head as decode.c reads them, and one-token steps through it."""
+class NativeModel:
+    """The model's layers and LM head as decode.c reads them, and steps through it."""
 
     def __init__(
-        self,
-        model: DecoderModel,
-        head: tuple[np.ndarray, np.ndarray],
-        head_rows: np.ndarray | None,
-        threads: int,
-        spin_us: int,
-        library: ctypes.CDLL | None = None,
+        self, model: DecoderModel, threads: int, spin_us: int, release: bool, library: ctypes.CDLL | None = None
     ):
-        """`head`: the 8-bit codes and scales the onnxruntime graph made of the LM head; `head_rows`: the float table
-        to recompute each row's top logits from where those codes are not exact (None where they are); `library`:
-        a build of decode.c (default: `build()`)."""
+        """`release`: no torch step will follow, so each of the model's tensors is let go once its copy here is
+        made (the load's peak memory then holds one copy of a layer at a time); `library`: a build of decode.c
+        (default: `build()`)."""
         self.lib = library or build()
         self.spin_ns = spin_us * 1000
         self.team = TeamSize(self.lib.fx_set_threads(threads, self.spin_ns))
         cfg = model.config
+        if len(model.layers) != cfg.num_layers:  # let go by another route's build
+            raise RuntimeError(f"the C step needs the model's {cfg.num_layers} layers; it holds {len(model.layers)}")
+        self.vocab = cfg.vocab_size
         self._keep: list = []  # every array the structures point into
+        self.head = Int8Head.of(model)
+        # The float rows to recompute each row's top logits from where the codes are not the head exactly.
+        refine = None if self.head.exact else np.ascontiguousarray(head_weight(model).numpy())
+        self.embed_table = None if self.head.embeds else model.embed
+        cos, sin = model.cos_sin.float().chunk(2, dim=-1)
+        head_scales, head_half = halved(self.head.scales)
         layers = (LayerWeights * cfg.num_layers)()
         for i, layer in enumerate(model.layers):
-            layers[i] = LayerWeights(
-                *(
-                    self._q4(w, b)
-                    for w, b in (
-                        (layer.qkv, layer.qkv_bias),
-                        (layer.o, None),
-                        (layer.gate_up, None),
-                        (layer.down, None),
-                    )
-                ),
-                *(self._floats(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)),
-            )
+            layers[i] = self._layer(layer)
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):  # read from a converted entry's map: let go
+                model_cache.drop_pages(w.packed, w.scales, w.offsets)
+            if release:
+                model.layers[i] = None
         self._keep.append(layers)
-        codes, scales = head
-        scales, head_half = halved(scales)
-        cos, sin = model.cos_sin.float().chunk(2, dim=-1)
-        refine = None if head_rows is None else np.ascontiguousarray(head_rows)
         self.weights = ModelWeights(
             layers=cfg.num_layers,
             hidden=cfg.hidden_size,
             heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            inter=model.layers[0].down.shape[1],
+            inter=layers[0].down.k,
             vocab=cfg.vocab_size,
             eps=cfg.rms_norm_eps,
             scale=model.scale,
             layer=layers,
             final_norm=self._floats(model.norm),
-            head_codes=self._array(codes),
-            head_scales=self._array(scales),
+            head_codes=self._array(self.head.codes),
+            head_scales=self._array(head_scales),
             head_half=int(head_half),
             refine_rows=None if refine is None else self._array(refine),
             refine_half=int(refine is not None and refine.dtype == np.float16),
-            refine_top=16,
+            refine_top=REFINE_TOP,
             cos=self._floats(cos),
             sin=self._floats(sin),
+            positions=cos.shape[0],
+        )
+        model_cache.drop_all_pages()
+        if release:
+            model.layers = []
+            model.lm_head = None if refine is None else model.lm_head
+            model.embed = self.embed_table
+
+    def _layer(self, layer) -> LayerWeights:
+        return LayerWeights(
+            *(
+                self._q4(w, b)
+                for w, b in ((layer.qkv, layer.qkv_bias), (layer.o, None), (layer.gate_up, None), (layer.down, None))
+            ),
+            *(self._floats(t) for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)),
         )
 
     def _array(self, a: np.ndarray) -> int:
@@ -346,37 +375,43 @@ class NativeDecoder:
             self._array(codes), self._array(scales), self._array(offsets), self._floats(bias), n, k, int(half)
         )
 
-    def step(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: list[int], past: list[int], hidden, logits):
-        """Logits [len(rows), vocab] into `logits` for one-token rows: token i at position past[i] of cache row
-        rows[i] ([layers, rows, kv heads, capacity, head dim] float32), its embedding hidden[i]."""
-        cache = RowCacheView(k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[1], k_rows.shape[3])
-        row = np.asarray(rows, np.int64)
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `ids` [tokens, hidden size] float32: from the head's codes where they are the tied
+        table exactly, else from the table."""
+        if self.embed_table is None:
+            return self.head.embed(ids)
+        return torch.nn.functional.embedding(ids, self.embed_table).float()
+
+    def step(self, paged: tuple, block_size: int, tables: torch.Tensor, seqs, past, hidden, first_logit: int, logits):
+        """One call over len(seqs) tokens: token i at position past[i] of the sequence whose block table is
+        tables[seqs[i]] (int32 [sequences, width]), its embedding hidden[i]. `paged` is the engine's (keys, values)
+        cache as [layers, slots, kv heads, head dim] float32 or float16, where the call writes every token's keys
+        and values; `logits` [len(seqs) - first_logit, vocab] gets the logits of the tokens from first_logit on."""
+        k, v = paged
+        half = k.dtype == torch.float16
+        cache = PagedCacheView(
+            k.data_ptr(), v.data_ptr(), half, k.shape[1], block_size, tables.data_ptr(), *tables.shape
+        )
+        seq = np.asarray(seqs, np.int64)
         at = np.asarray(past, np.int64)
         hidden = hidden.contiguous()
+        # Only one-token rows (a sequence each) teach TeamSize: a prompt chunk's calls take longer as its context
+        # grows, which is no neighbour's doing.
+        decode = len(set(seq.tolist())) == len(seq)
         with _CALLS:  # a library's team and scratch serve one call at a time
-            self.lib.fx_set_threads(self.team.size_for(len(rows)), self.spin_ns)
+            self.lib.fx_set_threads(self.team.size_for(len(seq)) if decode else self.team.size, self.spin_ns)
             start = time.perf_counter()
-            status = self.lib.fx_decode(
+            status = self.lib.fx_step(
                 ctypes.byref(self.weights),
                 cache,
-                len(rows),
-                row.ctypes.data,
+                len(seq),
+                seq.ctypes.data,
                 at.ctypes.data,
                 hidden.data_ptr(),
+                first_logit,
                 logits.data_ptr(),
             )
-            self.team.took(time.perf_counter() - start)
+            if decode:
+                self.team.took(time.perf_counter() - start)
         if status:
-            raise RuntimeError(f"decode.c refused a step of {len(rows)} rows")
-
-    def head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """Logits [rows, vocab] into `logits` of final hidden states [rows, hidden size] (after the final norm)."""
-        hidden = hidden.contiguous()
-        for first in range(0, len(hidden), MAX_TOKENS):
-            part = slice(first, first + MAX_TOKENS)
-            rows, out = hidden[part], logits[part]
-            with _CALLS:
-                self.lib.fx_set_threads(self.team.size, self.spin_ns)
-                status = self.lib.fx_head(ctypes.byref(self.weights), len(rows), rows.data_ptr(), out.data_ptr())
-            if status:
-                raise RuntimeError(f"decode.c refused a head call of {len(rows)} rows")
+            raise RuntimeError(f"decode.c refused a step of {len(seq)} tokens at positions {at.min()}..{at.max()}")

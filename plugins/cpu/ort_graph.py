@@ -20,6 +20,7 @@ import mmap
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,7 +30,10 @@ from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
 
-from . import native
+if TYPE_CHECKING:
+    from .runner import Piece
+
+from .head import HEAD_BLOCK, Int8Head, head_weight
 
 # MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
@@ -39,17 +43,14 @@ INT8_ACTIVATIONS, FP32_ACTIVATIONS = 4, 1
 # SmolLM2 they add more logits error than the MLP's, docs/benchmarks.md).
 ROUNDED = {"fp32": (), "mlp-int8": ("gate_up", "down"), "int8": ("qkv", "o", "gate_up", "down")}
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # group sizes MatMulNBits takes
-# The LM head as 8-bit codes in blocks of 32 with a scale each (GGUF's Q8_0: a checkpoint that stores its head so
-# is run on exactly its values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's
-# input so moves logits by up to ~0.1: enough to swap two near-tied tokens. So each row's REFINE_TOP largest logits
-# (picked in the graph) are computed again from the head's own weights in float32, which keeps the argmax exact
-# unless that many tokens lie within twice the rounding of the top. Where the codes give the head back exactly (a
-# Q8_0 table: GGUF's usual embedding), those rows are read from the codes, and so are the embedding's rows of a tied
-# table: the float32 table is then not needed at all (on SmolLM2 it is 108 MiB beside 30 MiB of codes).
-HEAD_BLOCK, HEAD_ACCURACY, REFINE_TOP = 32, 4, 16
-HEAD_ROWS_AT_ONCE = 4096
+# The LM head as 8-bit codes (head.py; GGUF's Q8_0: a checkpoint that stores its head so is run on exactly its
+# values). 8-bit codes have a fast kernel only with int8 activations, and rounding the head's input so moves logits
+# by up to ~0.1: enough to swap two near-tied tokens. So each row's REFINE_TOP largest logits (picked in the graph)
+# are computed again from the head's own weights in float32, which keeps the argmax exact unless that many tokens
+# lie within twice the rounding of the top. Where the codes give the head back exactly, those rows are read from the
+# codes, and so are the embedding's rows of a tied table.
+HEAD_ACCURACY, REFINE_TOP = 4, 16
 MS_DOMAIN = "com.microsoft"
-UNBOUNDED_SPIN_US = 1_000_000  # the C step's idle spin where the pool's is unbounded: longer than any step's gap
 # Constants this large reach onnxruntime as arrays it reads in place (the Int4Weights' own codes and scales, no copy
 # in the graph's bytes or the session), not serialized into the graph.
 EXTERNAL_BYTES = 1 << 16
@@ -164,19 +165,6 @@ class RowCache:
         self.length[row] = past + n
 
 
-@dataclass
-class Piece:
-    """One sequence's part of a step: its tokens' rows in the step's flat inputs and logits."""
-
-    owner: int  # tells sequences apart (the engine's arrival index)
-    index: int  # its sequence's place in the step (its row of the block tables)
-    first: int  # its first token's row in the step's inputs
-    tokens: int
-    past: int  # positions already in the cache
-    logits_first: int  # its first logits row in the step's logits
-    logits: int  # trailing tokens whose logits are wanted
-
-
 class OrtModel:
     """One onnxruntime session running every layer and the LM head over a step's tokens."""
 
@@ -188,7 +176,6 @@ class OrtModel:
         spin_us: int | None,
         release_model: bool = False,
         constants_folder: Path | None = None,
-        native_decode: bool = False,
     ):
         """`spin_us`: how long the pool's idle threads spin for the next op before they sleep (0: they sleep at
         once; None: onnxruntime's own, unbounded spinning). `release_model`: no torch step will follow, so the
@@ -208,9 +195,7 @@ class OrtModel:
         options.log_severity_level = 3
         # The arena reuses a prompt chunk's activation buffers; without it glibc keeps what they freed resident.
         options.enable_cpu_mem_arena = True
-        # With the C step, the graph stops at the final hidden states and the C step computes the head: onnxruntime
-        # then keeps no packed copy of it (30 MiB on SmolLM2), and prompts' logits are float32 too.
-        builder = GraphBuilder(model, ROUNDED[activations], with_head=not native_decode)
+        builder = GraphBuilder(model, ROUNDED[activations])
         graph = builder.build().SerializeToString()
         # onnxruntime reads these by address and must have them for the session's life (it builds its own packed
         # copies from them): in a file, they take no memory once the session is built.
@@ -218,23 +203,15 @@ class OrtModel:
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.constants.arrays.values()]
         options.add_external_initializers(list(self.constants.arrays), self._values)
         # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
-        self.own_head = builder.head_exact
-        head_table = head_weight(model)
-        own_embed = self.own_head and head_table is model.embed
-        # The file's copies where the codes went there (a small head's are serialized into the graph).
-        head = [self.constants.arrays.get(n, a) for n, a in zip(builder.head_names, builder.head_arrays)]
-        self.codes, self.scales = head if own_embed else (None, None)
-        self.embed_table = None if own_embed else model.embed
-        self.head_rows = None if self.own_head else np.ascontiguousarray(head_table.numpy())
-        del builder, head_table
-        # The C step for one-token rows (plugins/cpu/native.py), made before the model's projections are let go.
-        self.native = (
-            native.NativeDecoder(
-                model, head, self.head_rows, threads, UNBOUNDED_SPIN_US if spin_us is None else spin_us
-            )
-            if native_decode
-            else None
-        )
+        head = builder.head
+        self.own_head = head.exact
+        if head.embeds:  # the file's copies where the codes went there (a small head's are serialized into the graph)
+            head.codes = self.constants.arrays.get(builder.head_names[0], head.codes)
+            head.scales = self.constants.arrays.get(builder.head_names[1], head.scales)
+        self.head = head if head.embeds else None  # where the embedding's rows come from
+        self.embed_table = None if head.embeds else model.embed
+        self.head_rows = None if self.own_head else np.ascontiguousarray(head_weight(model).numpy())
+        del builder
         if release_model:
             self._release(model)
         self.session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
@@ -245,7 +222,7 @@ class OrtModel:
         # One binding for the step's one-token rows, one for a longer piece: each binds the cache rows again only
         # when its rows or the buffers changed, and its inputs and output only when their shapes did.
         self.bindings = {kind: Bound(self.session.io_binding()) for kind in ("group", "one")}
-        head = self.head_rows if self.native is None else None  # the graph's input where it has the head
+        head = self.head_rows
         for bound in self.bindings.values():  # the head's rows stay where they are: bound once
             if head is not None:
                 bound.binding.bind_input("head_rows", "cpu", 0, head.dtype, head.shape, head.ctypes.data)
@@ -263,15 +240,11 @@ class OrtModel:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of `ids` [tokens, hidden size]: from the head's codes where they give a tied table back
         exactly, else from the table."""
-        if self.codes is None:
+        if self.head is None:
             return torch.nn.functional.embedding(ids, self.embed_table).float()
-        # head_values in numpy: after a session call's stream of weights the host runs cache-cold, and numpy's few
-        # calls cost half of torch's (SmolLM2 decode: 47 vs 81 us a step).
-        rows = ids.numpy()
-        values = (self.codes[rows].astype(np.float32) - 128) * self.scales[rows][..., None]
-        return torch.from_numpy(values.reshape(len(rows), -1))
+        return self.head.embed(ids)
 
-    def step(self, pieces: list[Piece], hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
+    def step(self, pieces: "list[Piece]", hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
         """Logits [rows wanted, vocab] of one step over `hidden` [tokens, hidden size] (the step's embeddings).
         `paged` is the engine's (keys, values) cache as [layers, slots, kv, d]."""
         logits = torch.empty(sum(p.logits for p in pieces), self.vocab)
@@ -281,10 +254,7 @@ class OrtModel:
             rows = self.rows.place_group([p.owner for p in group])
             order = sorted(range(len(group)), key=rows.__getitem__)  # batch row i is cache row i
             group = [group[i] for i in order]
-            if self.native is not None and len(group) <= native.MAX_TOKENS:
-                self._native_call(group, hidden, meta, paged, block_size, logits)
-            else:
-                self._call(group, 0, "group", hidden, meta, paged, block_size, logits)
+            self._call(group, 0, "group", hidden, meta, paged, block_size, logits)
         for piece in pieces:
             if piece.tokens > 1:
                 row = self.rows.place_one(piece.owner, len(group))
@@ -308,20 +278,7 @@ class OrtModel:
         if self.rope_outside:
             bound.inputs["positions"][:, 0] = [q for p in pieces for q in range(p.past, p.past + tokens)]
         self.session.run_with_iobinding(bound.binding)
-        out = bound.out
-        if self.native is not None:  # the graph gave the final hidden states: their logits from the C step's head
-            out = torch.empty(len(wanted), self.vocab)
-            self.native.head(bound.out, out)
-        self._rows_out(pieces, first_row, out, meta, paged, logits)
-
-    def _native_call(self, pieces, hidden, meta, paged, block_size, logits) -> None:
-        """One-token pieces (in cache rows 0, 1, ...) through the C step."""
-        n = len(pieces)
-        self._rows_in(pieces, 0, meta, paged, block_size)
-        inputs = hidden[[p.first for p in pieces]]
-        out = torch.empty(n, self.vocab)
-        self.native.step(self.rows.k, self.rows.v, list(range(n)), [p.past for p in pieces], inputs, out)
-        self._rows_out(pieces, 0, out, meta, paged, logits)
+        self._rows_out(pieces, first_row, bound.out, meta, paged, logits)
 
     def _rows_in(self, pieces, first_row, meta, paged, block_size) -> None:
         """Room in cache rows first_row, first_row + 1, ... for the pieces, each holding its sequence's past."""
@@ -366,12 +323,8 @@ class OrtModel:
                 bound.inputs["positions"] = np.empty((n * tokens, 1), np.int64)
             for name, a in bound.inputs.items():
                 binding.bind_input(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
-            if self.native is None:
-                bound.out = torch.empty(wanted, self.vocab)
-                binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
-            else:
-                bound.out = torch.empty(wanted, self.hidden_size)
-                binding.bind_output("final", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
+            bound.out = torch.empty(wanted, self.vocab)
+            binding.bind_output("logits", "cpu", 0, np.float32, tuple(bound.out.shape), bound.out.data_ptr())
             bound.shape_key = (n, tokens, wanted)
         return bound
 
@@ -427,34 +380,13 @@ class Bound:
     out: torch.Tensor | None = None
 
 
-def _head_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of [rows, blocks, HEAD_BLOCK] float weights: GraphBuilder.head's rounding."""
-    scales = blocks.abs().amax(-1) / 127
-    codes = torch.where(scales[..., None] > 0, blocks / scales.clamp_min(1e-30)[..., None], 0).round() + 128
-    return codes.to(torch.uint8), scales
-
-
-def head_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 weights [..., blocks, HEAD_BLOCK] that codes and scales stand for (the graph's refine computes
-    the same). A Q8_0 block's scale times its largest code, 127, is exact in float32, so its values come back."""
-    return (codes.float() - 128) * scales[..., None]
-
-
-def head_weight(model: DecoderModel) -> torch.Tensor:
-    """The LM head's weights as the model keeps them (the tied embedding keeps a GGUF's values in fp32)."""
-    tied = model.config.tie_word_embeddings and model.lm_head.shape == model.embed.shape
-    return model.embed if tied else model.lm_head
-
-
 class GraphBuilder:
     """Writes the graph node by node (onnx.helper), weights as initializers. Activations are [tokens, width]
     ([B, S, width] around GroupQueryAttention), as Gemm wants them for the offset terms."""
 
-    def __init__(self, model: DecoderModel, rounded: tuple[str, ...] = (), with_head: bool = True):
-        """`with_head`: the graph ends in the LM head's logits ("logits"), else in the final hidden states of the
-        rows whose logits are wanted ("final"; the head's codes are still made, for whoever computes it)."""
+    def __init__(self, model: DecoderModel, rounded: tuple[str, ...] = ()):
         self.model, self.cfg = model, model.config
-        self.rounded, self.with_head = rounded, with_head
+        self.rounded = rounded
         self.head_names: tuple = (None, None)  # the head's codes and scales as graph constants, where it has them
         self.nodes, self.inits, self._n, self._group_ones = [], [], 0, {}
         self.external: dict[str, np.ndarray] = {}
@@ -528,28 +460,13 @@ class GraphBuilder:
         return self._group_ones[(k, g)]
 
     def head(self, x: str) -> str:
-        """The LM head over x as 8-bit codes (`head_codes`)."""
-        self.head_codes()
-        self.head_names = tuple(self.const(a, stem) for a, stem in zip(self.head_arrays, ("head_codes", "head_scales")))
+        """The LM head over x as 8-bit codes (head.py's `Int8Head`, kept as `head`)."""
+        self.head = Int8Head.of(self.model)
+        arrays = (self.head.codes, self.head.scales)
+        self.head_names = tuple(self.const(a, stem) for a, stem in zip(arrays, ("head_codes", "head_scales")))
         n, k = head_weight(self.model).shape
         attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
         return self.one("MatMulNBits", [x, *self.head_names], domain=MS_DOMAIN, **attrs)
-
-    def head_codes(self) -> None:
-        """The LM head as 8-bit codes (`head_arrays`): per block of HEAD_BLOCK inputs, scale = largest |w| / 127,
-        codes round(w / scale) + 128 (zero point 128). A Q8_0 head (its largest code 127 a block) comes back exactly
-        (`head_exact`)."""
-        w = head_weight(self.model)
-        n, k = w.shape
-        codes = torch.empty(n, k // HEAD_BLOCK, HEAD_BLOCK, dtype=torch.uint8)
-        scales = torch.empty(n, k // HEAD_BLOCK)
-        self.head_exact = True
-        for rows in range(0, n, HEAD_ROWS_AT_ONCE):  # a whole table's float temporaries would be 3x its size
-            part = slice(rows, rows + HEAD_ROWS_AT_ONCE)
-            blocks = w[part].float().reshape(-1, k // HEAD_BLOCK, HEAD_BLOCK)
-            codes[part], scales[part] = _head_codes(blocks)
-            self.head_exact = self.head_exact and torch.equal(head_values(codes[part], scales[part]), blocks)
-        self.head_arrays = codes.numpy(), scales.numpy()
 
     def refine(self, logits: str, x: str) -> str:
         """logits with each row's REFINE_TOP largest computed again from x and the head's own weights in float32:
@@ -557,7 +474,7 @@ class GraphBuilder:
         model's tensor (as an initializer onnxruntime would copy them)."""
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
-        if self.head_exact:  # head_values in graph ops: (codes - 128) * scale, block by block
+        if self.head.exact:  # head_values in graph ops: (codes - 128) * scale, block by block
             codes, scales = (self.one("Gather", [name, top], axis=0) for name in self.head_names)
             codes = self.one("Sub", [self.one("Cast", [codes], to=TensorProto.FLOAT), self.const(np.float32(128))])
             rows = self.one("Mul", [codes, self.one("Unsqueeze", [scales, self.ints(-1)])])
@@ -614,11 +531,7 @@ class GraphBuilder:
             residual, hidden = self.layer(i, residual, hidden)
         out, _ = self.add_rmsnorm(hidden, residual, self.model.norm)
         wanted = self.one("Gather", [out, "logit_rows"], axis=0)
-        if self.with_head:
-            self.nodes.append(helper.make_node("Identity", [self.refine(self.head(wanted), wanted)], ["logits"]))
-        else:
-            self.head_codes()
-            self.nodes.append(helper.make_node("Identity", [wanted], ["final"]))
+        self.nodes.append(helper.make_node("Identity", [self.refine(self.head(wanted), wanted)], ["logits"]))
         f32, i32 = TensorProto.FLOAT, TensorProto.INT32
         kv, d = cfg.num_kv_heads, cfg.head_dim
         run = ["batch", kv, "capacity", d]
@@ -632,14 +545,11 @@ class GraphBuilder:
         ]
         if cfg.qk_norm:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
-        if self.with_head and not self.head_exact:
+        if not self.head.exact:
             head = head_weight(self.model)
             head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
             inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))
-        if self.with_head:
-            outputs = [helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size])]
-        else:
-            outputs = [helper.make_tensor_value_info("final", f32, ["wanted", cfg.hidden_size])]
+        outputs = [helper.make_tensor_value_info("logits", f32, ["wanted", cfg.vocab_size])]
         for i in range(cfg.num_layers):
             for kind in ("k", "v"):
                 inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", f32, run))

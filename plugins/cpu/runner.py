@@ -1,7 +1,10 @@
-"""The CPU runner: int4 steps through one onnxruntime graph where the model allows it, else the torch forward."""
+"""The CPU runner: int4 steps through flashnext's C step or one onnxruntime graph where the model allows it, else the
+torch forward."""
 
 import ctypes
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,13 +13,30 @@ from flashnext.core.engine.runner import ModelRunner, RunnerSetup, StepInput, St
 from flashnext.core.errors import UserError
 from flashnext.core.model import DecoderModel
 
-from . import native, ort_graph
+from . import native
 from .kernels import EXPANDED_DTYPE
+
+if TYPE_CHECKING:  # onnxruntime's graph is imported only where a route runs it (onnx alone is 11 MiB)
+    from .ort_graph import OrtModel
+
+
+@dataclass
+class Piece:
+    """One sequence's part of a step: its tokens' rows in the step's flat inputs and logits."""
+
+    owner: int  # tells sequences apart (the engine's arrival index)
+    index: int  # its sequence's place in the step (its row of the block tables)
+    first: int  # its first token's row in the step's inputs
+    tokens: int
+    past: int  # positions already in the cache
+    logits_first: int  # its first logits row in the step's logits
+    logits: int  # trailing tokens whose logits are wanted
 
 
 class CpuRunner(ModelRunner):
-    """ModelRunner with the KV cache of all layers in one tensor (so the graph's row cache copies a sequence's
-    positions in with one gather a step), and steps through `OrtModel` where the model allows it."""
+    """ModelRunner with the KV cache of all layers in one tensor (the C step reads it as [layers, slots, kv, d]; the
+    graph's row cache copies a sequence's positions in with one gather a step), and steps through `NativeModel` or
+    `OrtModel` where the model allows it."""
 
     int4_route = "auto"  # the profile's choices; set on the subclass CpuBackend.runner_class returns
     batch_invariant = False
@@ -44,12 +64,22 @@ class CpuRunner(ModelRunner):
         head = model.lm_head
         if self.route == "torch" and model.precision.name == "int4" and getattr(head, "dtype", None) == torch.float32:
             model.lm_head = head.to(EXPANDED_DTYPE)  # torch's int4 steps then read half the head's bytes
-        self.graph: ort_graph.OrtModel | None = None
+        self.graph: OrtModel | None = None
+        self.native: native.NativeModel | None = None
+
+    @classmethod
+    def auto_kv_dtype(cls, model: DecoderModel) -> torch.dtype:
+        """float16 where int4 steps will run through the C step, as llama.cpp keeps its cache: half the memory
+        (26 MiB at 1k tokens on SmolLM2), the keys and values rounded once; else the model's dtype."""
+        if cls.batch_invariant or cls.int4_route not in ("auto", "native"):
+            return model.dtype
+        if native_missing(cls.int4_route, model, torch.float16) is None:
+            return torch.float16
+        return model.dtype
 
     def step(self, inputs: StepInput) -> StepResult:
-        if self.route == "torch" or inputs.want_hidden:  # the graph hands out logits only
+        if self.route == "torch" or inputs.want_hidden:  # the graph and the C step hand out logits only
             return super().step(inputs)
-        graph = self._graph()
         # The step's own torch work (embedding rows, cache copies, sampling) takes microseconds; a wider OpenMP team
         # spins after each op on the cores the graph's pool then needs (SmolLM2 at 2 threads, float32 activations:
         # decode 67-74 -> 73-80 tok/s in paired runs).
@@ -57,19 +87,80 @@ class CpuRunner(ModelRunner):
         torch.set_num_threads(1)
         try:
             step = self.prepare(inputs.batch)
-            hidden = graph.embed(step.input_ids)
-            logits = graph.step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
+            if self.route == "native":
+                logits = self._native_step(pieces(inputs.batch), step)
+            else:
+                graph = self._graph()
+                hidden = graph.embed(step.input_ids)
+                logits = graph.step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
             return StepResult(self.model.kernels.sample(logits, step.sampling), logits)
         finally:
             torch.set_num_threads(threads)
+
+    def _native_step(self, pieces: list[Piece], step) -> torch.Tensor:
+        """Logits of the step's wanted rows through the C step: its one-token pieces in calls of up to
+        native.MAX_TOKENS, each longer piece (a prompt chunk, a verify step) in calls of that many of its tokens."""
+        model = self._native_model()
+        hidden = model.embed(step.input_ids)
+        logits = torch.empty(sum(p.logits for p in pieces), model.vocab)
+        tables = step.meta.block_tables
+        ones = [p for p in pieces if p.tokens == 1]
+        for first in range(0, len(ones), native.MAX_TOKENS):
+            group = ones[first : first + native.MAX_TOKENS]
+            out = torch.empty(len(group), model.vocab)
+            rows = [p.first for p in group]
+            model.step(
+                self.paged,
+                self.block_size,
+                tables,
+                [p.index for p in group],
+                [p.past for p in group],
+                hidden[rows],
+                0,
+                out,
+            )
+            for i, p in enumerate(group):
+                if p.logits:
+                    logits[p.logits_first] = out[i]
+        for p in pieces:
+            if p.tokens == 1:
+                continue
+            wanted_from = p.tokens - p.logits  # the piece's tokens from here on have logits wanted
+            for a in range(0, p.tokens, native.MAX_TOKENS):
+                b = min(a + native.MAX_TOKENS, p.tokens)
+                first_logit = min(max(wanted_from - a, 0), b - a)
+                out = logits[p.logits_first + a + first_logit - wanted_from :][: b - a - first_logit]
+                model.step(
+                    self.paged,
+                    self.block_size,
+                    tables,
+                    [p.index] * (b - a),
+                    range(p.past + a, p.past + b),
+                    hidden[p.first + a : p.first + b],
+                    first_logit,
+                    out,
+                )
+        return logits
 
     def steps_explained(self) -> str | None:
         if self.model.precision.name != "int4":
             return None
         return f"int4_route {self.route}: {self.route_reason}"
 
-    def _graph(self) -> ort_graph.OrtModel:
+    def _native_model(self) -> native.NativeModel:
+        if self.native is None:
+            start = time.perf_counter()
+            spin_us = native.UNBOUNDED_SPIN_US if self.pool_spin_us is None else self.pool_spin_us
+            # Only an MTP drafter asks this route for torch steps (their hidden states).
+            self.native = native.NativeModel(self.model, torch.get_num_threads(), spin_us, self.setup.mtp is None)
+            release_freed_heap()
+            self.warm_up_s += time.perf_counter() - start
+        return self.native
+
+    def _graph(self) -> "OrtModel":
         if self.graph is None:
+            from . import ort_graph
+
             start = time.perf_counter()
             activations = ROUTE_ACTIVATIONS[self.route]
             self.graph = ort_graph.OrtModel(
@@ -80,7 +171,6 @@ class CpuRunner(ModelRunner):
                 # Only an MTP drafter asks this route for torch steps (their hidden states).
                 release_model=self.setup.mtp is None,
                 constants_folder=model_cache.scratch_folder(),
-                native_decode=self.route == "native",
             )
             release_freed_heap()
             self.warm_up_s += time.perf_counter() - start
@@ -99,12 +189,12 @@ def release_freed_heap() -> bool:
     return True
 
 
-def pieces(batch) -> list[ort_graph.Piece]:
+def pieces(batch) -> list[Piece]:
     """The step's sequences as the graph's pieces, in the order `prepare` laid out their tokens and logits rows."""
     out, first, logits_first = [], 0, 0
     for index, item in enumerate(batch):
         seq = item.seq
-        piece = ort_graph.Piece(
+        piece = Piece(
             owner=seq.arrival_index,
             index=index,
             first=first,
@@ -133,6 +223,16 @@ ACTIVATIONS_SAID = {
 }
 
 
+def native_missing(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
+    """Why the C step would not run this model's int4 steps for `choice` (auto or native); None: it would."""
+    if model.precision.name != "int4" or getattr(model, "parallel", None) is not None:
+        return "not a whole int4 model"
+    missing = native.unavailable(model, kv_dtype)
+    if missing is None and choice == "auto" and not native.vectorized():
+        missing = "its build has no vector path for this CPU (int4_route = native runs it anyway)"
+    return missing
+
+
 def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
     """(route, why): the C decode step where it builds here and the choice allows it (`auto`, `native`), else an
     onnxruntime route where the graph can run this model's steps (`auto`: float32 activations; the rounded routes
@@ -141,22 +241,23 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
         return "torch", "int4_route = torch (profile / FLASHNEXT_INT4_ROUTE)"
     if model.precision.name != "int4":
         return "torch", f"the projections are {model.precision.name}, not int4 (int4_route concerns int4 steps only)"
-    reason = ort_graph.unsupported(model, kv_dtype)  # the native route prefills through the graph too
-    if getattr(model, "parallel", None) is not None:  # the graph holds whole layers: no all-reduce between ranks
+    reason = None
+    if getattr(model, "parallel", None) is not None:  # the graph and the C step hold whole layers: no all-reduce
         reason = "tensor-parallel ranks hold shards of each layer"
-    if getattr(model.kernels, "batch_invariant", False):  # onnxruntime's GEMMs block by the number of rows
+    if getattr(model.kernels, "batch_invariant", False):  # both block their products by the number of rows
         reason = "batch_invariant asks for fixed per-row arithmetic"
-    if reason is None and choice in ("auto", "native"):
-        missing = native.unavailable(model)
-        if missing is None and choice == "auto" and not native.vectorized():
-            missing = "its build has no vector path for this CPU (int4_route = native runs it anyway)"
+    missing = None
+    if choice in ("auto", "native"):
+        missing = reason or native_missing(choice, model, kv_dtype)
         if missing is None:
-            return "native", (
-                "int4 decode steps through flashnext's C step built for this CPU, float32 activations; prompt chunks"
-                " through one onnxruntime MatMulNBits graph, float32 activations"
-            )
+            return "native", "int4 steps through flashnext's C step built for this CPU, float32 activations"
         if choice == "native":
             raise UserError(f"int4_route = native cannot run here: {missing}; set int4_route to auto or onnxruntime")
+    if reason is None:
+        from . import ort_graph
+
+        reason = ort_graph.unsupported(model, kv_dtype)
+    if reason is None and choice == "auto":
         acts = ACTIVATIONS_SAID["fp32"]
         return "onnxruntime", f"int4 steps through one onnxruntime MatMulNBits graph, {acts} (no C step: {missing})"
     if reason is None:
