@@ -197,9 +197,12 @@ def test_a_compiler_that_fails_is_named_in_the_reason(monkeypatch, tmp_path):
         native.build.cache_clear()
 
 
-def test_auto_picks_the_c_step_where_it_builds(q4_1_llama):
-    runner = engine_for(q4_1_llama, "auto").runner
+def test_auto_picks_the_c_step_where_it_builds_with_the_engines_threads(q4_1_llama):
+    engine = engine_for(q4_1_llama, "auto")
+    runner = engine.runner
     assert runner.route == "native" and "C step built for this CPU" in runner.route_reason
+    step_logits(engine, [[5, 6, 7]], 1)
+    assert runner.native.team.most == torch.get_num_threads()  # not the one thread torch has during a step
 
 
 def test_a_cached_prefix_and_speculation_give_the_plain_greedy_tokens(q4_1_llama):

@@ -83,24 +83,24 @@ class CpuRunner(ModelRunner):
         # The step's own torch work (embedding rows, cache copies, sampling) takes microseconds; a wider OpenMP team
         # spins after each op on the cores the graph's pool then needs (SmolLM2 at 2 threads, float32 activations:
         # decode 67-74 -> 73-80 tok/s in paired runs).
+        # Built before torch's team is narrowed: the C step's team and the graph's pool take its thread count.
+        runs = self._native_model() if self.route == "native" else self._graph()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             step = self.prepare(inputs.batch)
             if self.route == "native":
-                logits = self._native_step(pieces(inputs.batch), step)
+                logits = self._native_step(runs, pieces(inputs.batch), step)
             else:
-                graph = self._graph()
-                hidden = graph.embed(step.input_ids)
-                logits = graph.step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
+                hidden = runs.embed(step.input_ids)
+                logits = runs.step(pieces(inputs.batch), hidden, step.meta, self.paged, self.block_size)
             return StepResult(self.model.kernels.sample(logits, step.sampling), logits)
         finally:
             torch.set_num_threads(threads)
 
-    def _native_step(self, pieces: list[Piece], step) -> torch.Tensor:
+    def _native_step(self, model: native.NativeModel, pieces: list[Piece], step) -> torch.Tensor:
         """Logits of the step's wanted rows through the C step: its one-token pieces in calls of up to
         native.MAX_TOKENS, each longer piece (a prompt chunk, a verify step) in calls of that many of its tokens."""
-        model = self._native_model()
         hidden = model.embed(step.input_ids)
         logits = torch.empty(sum(p.logits for p in pieces), model.vocab)
         tables = step.meta.block_tables
