@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from flashnext.core import model_cache
 from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
@@ -200,6 +201,7 @@ class OrtModel:
         # onnxruntime reads these by address and must have them for the session's life (it builds its own packed
         # copies from them): in a file, they take no memory once the session is built.
         self.constants = Constants(builder.external, constants_folder)
+        model_cache.drop_all_pages()  # what the graph's build read of the converted model's file
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.constants.arrays.values()]
         options.add_external_initializers(list(self.constants.arrays), self._values)
         # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
