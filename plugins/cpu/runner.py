@@ -250,7 +250,8 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
     if choice in ("auto", "native"):
         missing = reason or native_missing(choice, model, kv_dtype)
         if missing is None:
-            return "native", "int4 steps through flashnext's C step built for this CPU, float32 activations"
+            kv = str(kv_dtype).removeprefix("torch.")
+            return "native", f"int4 steps through flashnext's C step built for this CPU, float32 activations, {kv} KV"
         if choice == "native":
             raise UserError(f"int4_route = native cannot run here: {missing}; set int4_route to auto or onnxruntime")
     if reason is None:
