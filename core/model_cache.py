@@ -41,7 +41,7 @@ _DTYPES = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
-_MAPS: list[tuple[weakref.ref, int, int]] = []  # the entries' file maps in use: (map, first address, bytes)
+_MAPS: list[tuple[weakref.ref, int]] = []  # the entries' file maps in use: (map, first address)
 
 
 def _root() -> Path | None:
@@ -202,7 +202,7 @@ def _mapped(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         count = (end - start) // dtype.itemsize
         tensors[name] = torch.frombuffer(whole, dtype=dtype, count=count, offset=data + start).view(info["shape"])
     first = torch.frombuffer(whole, dtype=torch.uint8, count=1).data_ptr()
-    _MAPS.append((weakref.ref(whole), first, len(whole)))
+    _MAPS.append((weakref.ref(whole), first))
     return tensors, metadata
 
 
@@ -211,13 +211,11 @@ def drop_pages(*tensors: torch.Tensor) -> None:
     memory: a read brings them back from the file. Tensors elsewhere are left alone. Only for tensors no one has
     written to (a written page of the private map would go back to the file's bytes)."""
     page = mmap.PAGESIZE
-    _MAPS[:] = [m for m in _MAPS if m[0]() is not None]
-    for ref, first, size in _MAPS:
-        whole = ref()
+    for whole, first in _live_maps():
         for t in tensors:
             start = t.data_ptr() - first
             end = start + t.numel() * t.element_size()
-            if whole is None or start < 0 or end > size:
+            if start < 0 or end > len(whole):
                 continue
             low, high = -(-start // page) * page, end // page * page  # whole pages only
             if high > low:
@@ -227,11 +225,15 @@ def drop_pages(*tensors: torch.Tensor) -> None:
 def drop_all_pages() -> None:
     """`drop_pages` for every page of the entries' maps: also those the kernel mapped in around what was read (it
     maps the neighbours of a page it faults in), which belong to no tensor that `drop_pages` is handed."""
-    _MAPS[:] = [m for m in _MAPS if m[0]() is not None]
-    for ref, _, _ in _MAPS:
-        whole = ref()
-        if whole is not None:
-            whole.madvise(mmap.MADV_DONTNEED)
+    for whole, _ in _live_maps():
+        whole.madvise(mmap.MADV_DONTNEED)
+
+
+def _live_maps() -> list[tuple[mmap.mmap, int]]:
+    """(map, its first address) of each entry map still in use; the others are forgotten."""
+    live = [(ref, ref(), first) for ref, first in _MAPS]
+    _MAPS[:] = [(ref, first) for ref, whole, first in live if whole is not None]
+    return [(whole, first) for _, whole, first in live if whole is not None]
 
 
 def _read_slice(f, name: str, cut: tuple[int, int, int] | None, group: int, part: str):

@@ -630,8 +630,8 @@ static inline int64_t slot_of(const call_state *s, int t, int64_t p) {
 }
 
 /* q . key of the key at element `at` of the cache. */
-static inline float key_dot(const paged_cache *c, int half, int64_t at, const float *q, int64_t d) {
-    if (!half) return dot(q, (const float *)c->k + at, d);
+static inline float key_dot(const paged_cache *c, int64_t at, const float *q, int64_t d) {
+    if (!c->half) return dot(q, (const float *)c->k + at, d);
     const uint16_t *k = (const uint16_t *)c->k + at;
     vf acc = vzero();
     for (int64_t j = 0; j < d; j += LANES) acc = vfma(vload(q + j), vload_half(k + j), acc);
@@ -639,9 +639,9 @@ static inline float key_dot(const paged_cache *c, int half, int64_t at, const fl
 }
 
 /* acc += e * the value at element `at` of the cache. */
-static inline void value_add(const paged_cache *c, int half, int64_t at, float e, int64_t d, vf *acc) {
+static inline void value_add(const paged_cache *c, int64_t at, float e, int64_t d, vf *acc) {
     vf ev = vset(e);
-    if (half) {
+    if (c->half) {
         const uint16_t *v = (const uint16_t *)c->v + at;
         for (int64_t j = 0; j < d / LANES; j++) acc[j] = vfma(ev, vload_half(v + j * LANES), acc[j]);
     } else {
@@ -666,7 +666,6 @@ static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t
     const model_weights *mw = s->mw;
     int64_t d = mw->head_dim, kv = mw->kv_heads, per_group = mw->heads / kv, n = end - start;
     for (int64_t p = start; p < end; p++) b->slots[p - start] = ((layer * s->cache.slots) + slot_of(s, t, p)) * kv * d;
-    int half = (int)s->cache.half;
     for (int64_t g = 0; g < kv; g++) {
         int64_t head = g * d; /* this group's keys and values in a slot */
         for (int64_t i = 0; i < per_group; i++) {
@@ -676,7 +675,7 @@ static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t
             float *sc = b->scores;
             float top = -INFINITY;
             for (int64_t p = 0; p < n; p++) {
-                float v = key_dot(&s->cache, half, b->slots[p] + head, q, d) * mw->scale;
+                float v = key_dot(&s->cache, b->slots[p] + head, q, d) * mw->scale;
                 sc[p] = v;
                 if (v > top) top = v;
             }
@@ -694,7 +693,7 @@ static void attend_chunk(call_state *s, int layer, int t, int64_t start, int64_t
             }
             vf acc[256 / LANES]; /* head_dim <= 256 */
             for (int64_t j = 0; j < d / LANES; j++) acc[j] = vzero();
-            for (int64_t p = 0; p < n; p++) value_add(&s->cache, half, b->slots[p] + head, sc[p], d, acc);
+            for (int64_t p = 0; p < n; p++) value_add(&s->cache, b->slots[p] + head, sc[p], d, acc);
             for (int64_t j = 0; j < d / LANES; j++) vstore(out + j * LANES, acc[j]);
             out[d] = top;
             out[d + 1] = total;

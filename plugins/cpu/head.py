@@ -41,7 +41,7 @@ class Int8Head:
     codes: np.ndarray  # uint8 [vocab, hidden / HEAD_BLOCK, HEAD_BLOCK]
     scales: np.ndarray  # float32 [vocab, hidden / HEAD_BLOCK]
     exact: bool  # the codes give the model's head back exactly
-    embeds: bool  # ... and that head is the tied embedding: its rows come from the codes too
+    table: torch.Tensor | None  # the embedding table, where the codes are not it (tied and exact: None)
 
     @classmethod
     def of(cls, model: DecoderModel) -> "Int8Head":
@@ -56,12 +56,14 @@ class Int8Head:
             codes[part], scales[part] = block_codes(blocks)
             exact = exact and torch.equal(head_values(codes[part], scales[part]), blocks)
             model_cache.drop_pages(w[part])  # a table read from a converted entry's map: its pages leave memory
-        return cls(codes.numpy(), scales.numpy(), exact, exact and w is model.embed)
+        return cls(codes.numpy(), scales.numpy(), exact, None if exact and w is model.embed else model.embed)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of `ids` [tokens, hidden size] (only where `embeds`). In numpy: after a step's stream
-        of weights the host runs cache-cold, and numpy's few calls cost half of torch's (SmolLM2 decode: 47 vs 81 us
-        a step)."""
+        """The embedding rows of `ids` [tokens, hidden size] float32: from the codes where they are the tied table
+        exactly, else from the table. The codes in numpy: after a step's stream of weights the host runs cache-cold,
+        and numpy's few calls cost half of torch's (SmolLM2 decode: 47 vs 81 us a step)."""
+        if self.table is not None:
+            return torch.nn.functional.embedding(ids, self.table).float()
         rows = ids.numpy()
         values = (self.codes[rows].astype(np.float32) - 128) * self.scales[rows][..., None]
         return torch.from_numpy(values.reshape(len(rows), -1))

@@ -312,7 +312,6 @@ class NativeModel:
         self.head = Int8Head.of(model)
         # The float rows to recompute each row's top logits from where the codes are not the head exactly.
         refine = None if self.head.exact else np.ascontiguousarray(head_weight(model).numpy())
-        self.embed_table = None if self.head.embeds else model.embed
         cos, sin = model.cos_sin.float().chunk(2, dim=-1)
         head_scales, head_half = halved(self.head.scales)
         layers = (LayerWeights * cfg.num_layers)()
@@ -349,7 +348,7 @@ class NativeModel:
         if release:
             model.layers = []
             model.lm_head = None if refine is None else model.lm_head
-            model.embed = self.embed_table
+            model.embed = self.head.table
 
     def _layer(self, layer) -> LayerWeights:
         return LayerWeights(
@@ -374,13 +373,6 @@ class NativeModel:
         return Q4Weight(
             self._array(codes), self._array(scales), self._array(offsets), self._floats(bias), n, k, int(half)
         )
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of `ids` [tokens, hidden size] float32: from the head's codes where they are the tied
-        table exactly, else from the table."""
-        if self.embed_table is None:
-            return self.head.embed(ids)
-        return torch.nn.functional.embedding(ids, self.embed_table).float()
 
     def step(self, paged: tuple, block_size: int, tables: torch.Tensor, seqs, past, hidden, first_logit: int, logits):
         """One call over len(seqs) tokens: token i at position past[i] of the sequence whose block table is

@@ -31,10 +31,10 @@ from flashnext.core.kernels import AttentionMetadata
 from flashnext.core.model import DecoderModel
 from flashnext.core.precision import Int4Weight
 
+from .head import HEAD_BLOCK, Int8Head, head_weight
+
 if TYPE_CHECKING:
     from .runner import Piece
-
-from .head import HEAD_BLOCK, Int8Head, head_weight
 
 # MatMulNBits accuracy levels: 4 rounds activations to int8 in blocks of the group size (integer dot products, the
 # fast kernels); 1 keeps them float32 (the weights widened block by block: the reference's numbers).
@@ -205,13 +205,11 @@ class OrtModel:
         self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.constants.arrays.values()]
         options.add_external_initializers(list(self.constants.arrays), self._values)
         # The head as the graph reads it: its own codes where they are exact, else the float rows, bound by address.
-        head = builder.head
-        self.own_head = head.exact
-        if head.embeds:  # the file's copies where the codes went there (a small head's are serialized into the graph)
-            head.codes = self.constants.arrays.get(builder.head_names[0], head.codes)
-            head.scales = self.constants.arrays.get(builder.head_names[1], head.scales)
-        self.head = head if head.embeds else None  # where the embedding's rows come from
-        self.embed_table = None if head.embeds else model.embed
+        self.head = builder.int8_head  # where the embedding's rows come from (`embed`)
+        self.own_head = self.head.exact
+        # The file's copies where the codes went there (a small head's are serialized into the graph).
+        self.head.codes = self.constants.arrays.get(builder.head_names[0], self.head.codes)
+        self.head.scales = self.constants.arrays.get(builder.head_names[1], self.head.scales)
         self.head_rows = None if self.own_head else np.ascontiguousarray(head_weight(model).numpy())
         del builder
         if release_model:
@@ -234,16 +232,13 @@ class OrtModel:
         128k-vocabulary 2048-wide model), and its projections (79 MiB) once the graph's copies are in a file."""
         if self.own_head:
             model.lm_head = None
-        if self.embed_table is None:
+        if self.head.table is None:
             model.embed = None
         if self.constants.apart_from_model:
             model.layers = []
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of `ids` [tokens, hidden size]: from the head's codes where they give a tied table back
-        exactly, else from the table."""
-        if self.head is None:
-            return torch.nn.functional.embedding(ids, self.embed_table).float()
+        """The embedding rows of `ids` [tokens, hidden size] (`Int8Head.embed`)."""
         return self.head.embed(ids)
 
     def step(self, pieces: "list[Piece]", hidden, meta: AttentionMetadata, paged: tuple, block_size: int):
@@ -267,9 +262,11 @@ class OrtModel:
         """One session call: `pieces` in cache rows first_row, first_row + 1, ... (one piece if it has several
         tokens)."""
         n, tokens = len(pieces), pieces[0].tokens
-        self._rows_in(pieces, first_row, meta, paged, block_size)
+        self.rows.reserve(first_row + n, max(p.past + p.tokens for p in pieces))
         # Each piece's last `logits` rows (at least one, so no call asks for none; the extra row is dropped).
         wanted = [r for i, p in enumerate(pieces) for r in range((i + 1) * tokens - max(p.logits, 1), (i + 1) * tokens)]
+        for i, p in enumerate(pieces):
+            self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
         bound = self._bound(kind, first_row, n, tokens, len(wanted))
         token_rows = torch.cat([torch.arange(p.first, p.first + p.tokens) for p in pieces])
         torch.index_select(hidden, 0, token_rows, out=torch.from_numpy(bound.inputs["hidden"]))
@@ -280,23 +277,12 @@ class OrtModel:
         if self.rope_outside:
             bound.inputs["positions"][:, 0] = [q for p in pieces for q in range(p.past, p.past + tokens)]
         self.session.run_with_iobinding(bound.binding)
-        self._rows_out(pieces, first_row, bound.out, meta, paged, logits)
-
-    def _rows_in(self, pieces, first_row, meta, paged, block_size) -> None:
-        """Room in cache rows first_row, first_row + 1, ... for the pieces, each holding its sequence's past."""
-        self.rows.reserve(first_row + len(pieces), max(p.past + p.tokens for p in pieces))
-        for i, p in enumerate(pieces):
-            self.rows.sync(first_row + i, p.past, meta.block_tables[p.index], *paged, block_size)
-
-    def _rows_out(self, pieces, first_row, out, meta, paged, logits) -> None:
-        """After a call: each piece's new keys and values out to its paged slots, its logits rows (`out` holds
-        max(logits, 1) rows a piece) into the step's `logits`."""
         start = 0
         for i, p in enumerate(pieces):
             slots = meta.slot_mapping[p.first : p.first + p.tokens].tolist()
             self.rows.write_back(first_row + i, p.past, slots, *paged)
             if p.logits:
-                logits[p.logits_first : p.logits_first + p.logits] = out[start : start + p.logits]
+                logits[p.logits_first : p.logits_first + p.logits] = bound.out[start : start + p.logits]
             start += max(p.logits, 1)
 
     def _bound(self, kind: str, first_row: int, n: int, tokens: int, wanted: int) -> "Bound":
@@ -462,9 +448,9 @@ class GraphBuilder:
         return self._group_ones[(k, g)]
 
     def head(self, x: str) -> str:
-        """The LM head over x as 8-bit codes (head.py's `Int8Head`, kept as `head`)."""
-        self.head = Int8Head.of(self.model)
-        arrays = (self.head.codes, self.head.scales)
+        """The LM head over x as 8-bit codes (head.py's `Int8Head`, kept as `int8_head`)."""
+        self.int8_head = Int8Head.of(self.model)
+        arrays = (self.int8_head.codes, self.int8_head.scales)
         self.head_names = tuple(self.const(a, stem) for a, stem in zip(arrays, ("head_codes", "head_scales")))
         n, k = head_weight(self.model).shape
         attrs = dict(K=k, N=n, bits=8, block_size=HEAD_BLOCK, accuracy_level=HEAD_ACCURACY)
@@ -476,7 +462,7 @@ class GraphBuilder:
         model's tensor (as an initializer onnxruntime would copy them)."""
         top_k = min(REFINE_TOP, self.cfg.vocab_size)
         top = self.op("TopK", [logits, self.ints(top_k)], outputs=2, axis=-1)[1]  # [rows, top_k]
-        if self.head.exact:  # head_values in graph ops: (codes - 128) * scale, block by block
+        if self.int8_head.exact:  # head_values in graph ops: (codes - 128) * scale, block by block
             codes, scales = (self.one("Gather", [name, top], axis=0) for name in self.head_names)
             codes = self.one("Sub", [self.one("Cast", [codes], to=TensorProto.FLOAT), self.const(np.float32(128))])
             rows = self.one("Mul", [codes, self.one("Unsqueeze", [scales, self.ints(-1)])])
@@ -547,7 +533,7 @@ class GraphBuilder:
         ]
         if cfg.qk_norm:
             inputs.append(helper.make_tensor_value_info("positions", i64, ["tokens", 1]))
-        if not self.head.exact:
+        if not self.int8_head.exact:
             head = head_weight(self.model)
             head_type = helper.np_dtype_to_tensor_dtype(head.numpy().dtype)
             inputs.append(helper.make_tensor_value_info("head_rows", head_type, list(head.shape)))

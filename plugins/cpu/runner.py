@@ -71,11 +71,9 @@ class CpuRunner(ModelRunner):
     def auto_kv_dtype(cls, model: DecoderModel) -> torch.dtype:
         """float16 where int4 steps will run through the C step, as llama.cpp keeps its cache: half the memory
         (26 MiB at 1k tokens on SmolLM2), the keys and values rounded once; else the model's dtype."""
-        if cls.batch_invariant or cls.int4_route not in ("auto", "native"):
+        if cls.batch_invariant or cls.int4_route not in ("auto", "native"):  # the graph reads float32 only
             return model.dtype
-        if native_missing(cls.int4_route, model, torch.float16) is None:
-            return torch.float16
-        return model.dtype
+        return torch.float16 if int4_route(cls.int4_route, model, torch.float16)[0] == "native" else model.dtype
 
     def step(self, inputs: StepInput) -> StepResult:
         if self.route == "torch" or inputs.want_hidden:  # the graph and the C step hand out logits only
@@ -101,7 +99,7 @@ class CpuRunner(ModelRunner):
     def _native_step(self, model: native.NativeModel, pieces: list[Piece], step) -> torch.Tensor:
         """Logits of the step's wanted rows through the C step: its one-token pieces in calls of up to
         native.MAX_TOKENS, each longer piece (a prompt chunk, a verify step) in calls of that many of its tokens."""
-        hidden = model.embed(step.input_ids)
+        hidden = model.head.embed(step.input_ids)
         logits = torch.empty(sum(p.logits for p in pieces), model.vocab)
         tables = step.meta.block_tables
         ones = [p for p in pieces if p.tokens == 1]
@@ -223,18 +221,8 @@ ACTIVATIONS_SAID = {
 }
 
 
-def native_missing(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> str | None:
-    """Why the C step would not run this model's int4 steps for `choice` (auto or native); None: it would."""
-    if model.precision.name != "int4" or getattr(model, "parallel", None) is not None:
-        return "not a whole int4 model"
-    missing = native.unavailable(model, kv_dtype)
-    if missing is None and choice == "auto" and not native.vectorized():
-        missing = "its build has no vector path for this CPU (int4_route = native runs it anyway)"
-    return missing
-
-
 def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple[str, str]:
-    """(route, why): the C decode step where it builds here and the choice allows it (`auto`, `native`), else an
+    """(route, why): the C step where it builds here and the choice allows it (`auto`, `native`), else an
     onnxruntime route where the graph can run this model's steps (`auto`: float32 activations; the rounded routes
     change the README's first answer), else torch."""
     if choice == "torch":
@@ -248,7 +236,9 @@ def int4_route(choice: str, model: DecoderModel, kv_dtype: torch.dtype) -> tuple
         reason = "batch_invariant asks for fixed per-row arithmetic"
     missing = None
     if choice in ("auto", "native"):
-        missing = reason or native_missing(choice, model, kv_dtype)
+        missing = reason or native.unavailable(model, kv_dtype)
+        if missing is None and choice == "auto" and not native.vectorized():
+            missing = "its build has no vector path for this CPU (int4_route = native runs it anyway)"
         if missing is None:
             kv = str(kv_dtype).removeprefix("torch.")
             return "native", f"int4 steps through flashnext's C step built for this CPU, float32 activations, {kv} KV"
